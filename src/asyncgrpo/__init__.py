@@ -1,0 +1,9 @@
+"""asyncgrpo: asynchronous GRPO-family reinforcement learning for language models.
+
+Generation and training overlap: an inference engine keeps sampling while the
+trainer consumes scored groups and pushes fresh weights back. Every generated
+token records the policy version that sampled it, so the loss can correct for
+the lag. See the README for the two commands that get you started.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,109 @@
+"""Test helpers shipped with the package: tiny models and tokenizers built in code.
+
+Tests (ours and users') must never download anything, so this module builds a
+randomly-initialised Llama-architecture model and a byte-level BPE tokenizer
+trained on a few sentences in memory, and saves them as a normal Hugging Face
+model directory that every component (engine, trainer) loads like a real one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is 12 + 7? The answer is 19.",
+    "Hello, world! How are you today?",
+    "def add(a, b):\n    return a + b\n",
+    "assistant user system tool call result answer question",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>',
+]
+
+
+def build_tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer with ChatML special tokens, trained in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_llama(
+    vocab_size: int,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+):
+    """A randomly initialised LlamaForCausalLM (fp32), deterministic for a given seed."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Larger-than-default init so sampled distributions are not nearly uniform.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+def save_tiny_model_dir(path: str | Path, **model_kwargs) -> Path:
+    """Write a tiny model + tokenizer as a Hugging Face directory and return its path."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_llama(
+        len(tokenizer), eos_token_id=tokenizer.eos_token_id, **model_kwargs
+    )
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
