@@ -1,0 +1,247 @@
+"""The embedded engine's forward pass: Llama-family decoder layers over a slot KV cache.
+
+Why not call the transformers model directly? One `transformers` forward with its
+dynamic cache costs several times the arithmetic of its linear layers at decode
+time (cache bookkeeping, per-step mask building, per-op dispatch). This runner
+reads the *same* `transformers` model object the trainer uses — its parameters,
+rotary tables and norms — and runs a lean forward over a preallocated cache:
+
+- q/k/v and gate/up projections are fused into one matmul each. The fused tensor
+  owns the storage and the model's own `q_proj.weight` etc. become views into it,
+  so a weight update that copies into the model's parameters updates the fused
+  weights too, with no extra memory and nothing to re-fuse.
+- The cache is indexed by slot: `k_cache[layer]` is `(slots, kv_heads, capacity, head_dim)`.
+  Decoding sequences always occupy slots `0..B-1` (the engine keeps them compact),
+  so attention reads a view of the cache instead of gathering it.
+- Grouped-query heads are folded into the query length for decode, so attention is
+  one small batched matmul per layer without repeating keys and values.
+- The capacity (length dimension) grows on demand, so a short workload with many
+  sequences does not pay for the full context length in memory.
+
+Architectures: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norms). Others are
+refused with a clear error rather than run subtly wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from asyncgrpo.engine.types import EngineError
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def _fuse_rows(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate linear layers along their output rows; make each layer a view into the result."""
+    weight = torch.cat([lin.weight.data for lin in linears], dim=0).contiguous()
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = None
+    if any(has_bias):
+        parts = [
+            lin.bias.data if lin.bias is not None else torch.zeros_like(lin.weight.data[:, 0])
+            for lin in linears
+        ]
+        bias = torch.cat(parts).contiguous()
+    offset = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight[offset : offset + rows]
+        if bias is not None and lin.bias is not None:
+            lin.bias.data = bias[offset : offset + rows]
+        offset += rows
+    return weight, bias
+
+
+class _Layer:
+    """References to one decoder layer's (fused) weights."""
+
+    def __init__(self, layer: torch.nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.w_qkv, self.b_qkv = _fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.w_o = attn.o_proj.weight
+        self.b_o = attn.o_proj.bias
+        self.w_gate_up, _ = _fuse_rows(mlp.gate_proj, mlp.up_proj)
+        self.w_down = mlp.down_proj.weight
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+
+
+def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class ModelRunner:
+    """Runs prefill and decode forwards of a causal LM against a slot-indexed KV cache."""
+
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_model_len: int):
+        config = model.config
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise EngineError(
+                f"the embedded engine does not support model_type '{config.model_type}' yet "
+                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}); serve it with vLLM",
+                status=500,
+            )
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.group = self.num_heads // self.num_kv_heads
+        self.num_slots = num_slots
+        self.max_model_len = max_model_len
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm
+        self.lm_head = model.lm_head.weight
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        positions = torch.arange(max_model_len).unsqueeze(0)
+        probe = torch.zeros(1, dtype=torch.float32)
+        with torch.no_grad():
+            cos, sin = inner.rotary_emb(probe, positions)
+        self.cos = cos[0].to(self.dtype)  # (L, D)
+        self.sin = sin[0].to(self.dtype)  # (L, D)
+        self.capacity = 0
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.ensure_capacity(min(256, max_model_len))
+
+    # ---- cache management -------------------------------------------------
+
+    def ensure_capacity(self, length: int) -> None:
+        """Grow the cache's length dimension (to a power of two) so `length` positions fit."""
+        if length <= self.capacity:
+            return
+        new_cap = min(self.max_model_len, max(256, 1 << (length - 1).bit_length()))
+        shape = (self.num_slots, self.num_kv_heads, new_cap, self.head_dim)
+        new_k, new_v = [], []
+        for i in range(len(self.layers)):
+            k = torch.zeros(shape, dtype=self.dtype)
+            v = torch.zeros(shape, dtype=self.dtype)
+            if self.capacity:
+                k[:, :, : self.capacity] = self.k_cache[i]
+                v[:, :, : self.capacity] = self.v_cache[i]
+            new_k.append(k)
+            new_v.append(v)
+        self.k_cache, self.v_cache, self.capacity = new_k, new_v, new_cap
+
+    def release_memory(self, keep: int = 256) -> None:
+        """Shrink the cache back to a small capacity (call only when no sequence is live)."""
+        self.capacity = 0
+        self.k_cache, self.v_cache = [], []
+        self.ensure_capacity(min(keep, self.max_model_len))
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` cached positions of slot `src` into slot `dst`."""
+        if src == dst or length == 0:
+            return
+        for k, v in zip(self.k_cache, self.v_cache, strict=True):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
+    # ---- forwards ------------------------------------------------------------
+
+    def _attention_input(self, layer: _Layer, h: torch.Tensor, cos, sin):
+        """Norm, fused qkv projection, optional q/k norms and rotary embedding.
+
+        h: (N, T, hidden) -> q (N, heads, T, D), k/v (N, kv_heads, T, D)
+        """
+        n, t, _ = h.shape
+        x = _rms_norm(h, layer.input_norm)
+        qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(n, t, self.num_heads, self.head_dim)
+        k = k.view(n, t, self.num_kv_heads, self.head_dim)
+        v = v.view(n, t, self.num_kv_heads, self.head_dim)
+        if layer.q_norm is not None:
+            q = _rms_norm(q, layer.q_norm)
+            k = _rms_norm(k, layer.k_norm)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (N, T, 1, D)
+        q = _rotate(q, cos, sin).transpose(1, 2)
+        k = _rotate(k, cos, sin).transpose(1, 2)
+        return q, k, v.transpose(1, 2)
+
+    def _mlp_residual(self, layer: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = h + F.linear(attn, layer.w_o, layer.b_o)
+        x = _rms_norm(h, layer.post_norm)
+        gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, layer.w_down)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(_rms_norm(h, self.final_norm), self.lm_head).float()
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One decode step for the sequences in slots 0..B-1.
+
+        tokens, positions: (B,) long — the newest token of each sequence and its position.
+        Returns float32 logits (B, V) for the next token.
+        """
+        b = tokens.shape[0]
+        length = int(positions.max()) + 1
+        self.ensure_capacity(length)
+        h = F.embedding(tokens, self.embed).unsqueeze(1)  # (B, 1, hidden)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        # (B, 1, 1, L): a sequence sees its own cached positions 0..pos.
+        mask = (torch.arange(length) <= positions.unsqueeze(1)).view(b, 1, 1, length)
+        rows = torch.arange(b)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._attention_input(layer, h, cos, sin)
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            k_cache[rows, :, positions] = k[:, :, 0]
+            v_cache[rows, :, positions] = v[:, :, 0]
+            # Fold the query heads that share a kv head into the query length.
+            q = q.reshape(b, self.num_kv_heads, self.group, self.head_dim)
+            attn = F.scaled_dot_product_attention(
+                q, k_cache[:b, :, :length], v_cache[:b, :, :length], attn_mask=mask
+            )
+            h = self._mlp_residual(layer, h, attn.reshape(b, 1, -1))
+        return self._logits(h[:, 0])
+
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Run prompt chunks for several sequences at once, writing their keys and values.
+
+        Row r feeds `chunks[r]` at positions `starts[r]..` into slot `slots[r]`, attending to
+        that slot's cached positions before `starts[r]`. Returns float32 logits (R, V) of each
+        chunk's last token.
+        """
+        n = len(chunks)
+        lengths = [len(c) for c in chunks]
+        t = max(lengths)
+        ends = [s + m for s, m in zip(starts, lengths, strict=True)]
+        self.ensure_capacity(max(ends))
+        tokens = torch.zeros(n, t, dtype=torch.long)
+        for r, chunk in enumerate(chunks):
+            tokens[r, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
+        start_t = torch.tensor(starts).unsqueeze(1)
+        positions = (start_t + torch.arange(t)).clamp_(max=self.max_model_len - 1)  # (R, T)
+        key_len = max(ends)
+        # (R, 1, T, K): query t of row r sees cached positions <= starts[r] + t.
+        mask = (torch.arange(key_len).view(1, 1, key_len) <= positions.unsqueeze(2)).unsqueeze(1)
+        slot_index = torch.tensor(slots)
+        h = F.embedding(tokens, self.embed)  # (R, T, hidden)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._attention_input(layer, h, cos, sin)
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+            for r in range(n):
+                k_cache[slots[r], :, starts[r] : ends[r]] = k[r, :, : lengths[r]]
+                v_cache[slots[r], :, starts[r] : ends[r]] = v[r, :, : lengths[r]]
+            keys = k_cache[slot_index, :, :key_len]  # (R, kv_heads, K, D)
+            values = v_cache[slot_index, :, :key_len]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            h = self._mlp_residual(layer, h, attn.transpose(1, 2).reshape(n, t, -1))
+        last = torch.tensor(lengths) - 1
+        return self._logits(h[torch.arange(n), last])
