@@ -6,8 +6,10 @@ distribution: logits divided by the temperature, then restricted by top-k and
 top-p and renormalised (what vLLM calls `processed_logprobs`). Greedy rows
 (temperature 0) report the plain log-softmax of the logits, as vLLM does.
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which equals
-drawing from p and lets every row use its own seeded generator while the rest of
+Sampling inverts each row's CDF with one uniform number per row (softmax, cumsum,
+binary search): three cheap passes over the vocabulary, where the exponential-race
+trick needs one random number per vocabulary entry (≈8× slower on a CPU). One
+uniform per row also lets every row use its own seeded generator while the rest of
 the batch stays vectorised.
 """
 
@@ -71,18 +73,21 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> SampleOutput:
     if bool(filtered.any()):
         idx = filtered.nonzero().squeeze(1)
         scaled[idx] = _filter_top_k_top_p(scaled[idx], top_k[idx], top_p[idx])
-    logprobs = torch.log_softmax(scaled, dim=-1)  # (B, V)
-    noise = torch.empty_like(logprobs).exponential_()
+    probs = torch.softmax(scaled, dim=-1)  # (B, V)
+    cdf = probs.cumsum(dim=-1)
+    uniform = torch.rand(len(rows), 1)
     for i, r in enumerate(rows):
-        if r.generator is not None and r.temperature > 0:
-            noise[i].exponential_(generator=r.generator)
-    race = logprobs - noise.log()  # argmax of log p - log E == argmax of p / E
-    tokens = torch.where(greedy, logits.argmax(dim=-1), race.argmax(dim=-1))
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        if r.generator is not None:
+            uniform[i] = torch.rand(1, generator=r.generator)
+    # right=True skips zero-probability entries (a filtered token can never be drawn).
+    drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+    drawn = drawn.clamp_(max=probs.shape[-1] - 1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    chosen = probs.gather(1, tokens.unsqueeze(1)).squeeze(1).log()
     top: list[list[tuple[int, float]] | None] = [None] * len(rows)
     want = max(r.top_logprobs for r in rows)
     if want:
-        values, ids = torch.topk(logprobs, want, dim=-1)
+        values, ids = torch.topk(torch.log_softmax(scaled, dim=-1), want, dim=-1)
         for i, r in enumerate(rows):
             if r.top_logprobs:
                 n = r.top_logprobs

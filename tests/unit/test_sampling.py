@@ -1,0 +1,63 @@
+"""Sampling draws from, and reports log-probs of, the processed distribution."""
+
+import math
+
+import torch
+
+from asyncgrpo.engine.sampling import RowParams, sample
+
+
+def processed_distribution(logits, temperature, top_k, top_p):
+    """Slow reference: temperature, then top-k, then nucleus, renormalised (plain Python)."""
+    scaled = [x / temperature for x in logits]
+    order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
+    keep = order[:top_k] if top_k > 0 else order
+    z = sum(math.exp(scaled[i]) for i in keep)
+    kept, mass = [], 0.0
+    for i in keep:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += math.exp(scaled[i]) / z
+    z = sum(math.exp(scaled[i]) for i in kept)
+    return {i: math.exp(scaled[i]) / z for i in kept}
+
+
+def test_logprobs_and_frequencies_match_reference():
+    logits = [2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0, 0.2]
+    for temperature, top_k, top_p in [
+        (1.0, 0, 1.0),
+        (0.5, 0, 1.0),
+        (1.0, 3, 1.0),
+        (1.3, 0, 0.8),
+        (0.8, 5, 0.7),
+    ]:
+        ref = processed_distribution(logits, temperature, top_k, top_p)
+        n = 4000
+        gen = torch.Generator().manual_seed(0)
+        rows = [RowParams(temperature, top_p, top_k, gen, 0)] * n
+        out = sample(torch.tensor([logits] * n), rows)
+        counts = {}
+        for tok, lp in zip(out.tokens, out.logprobs):
+            assert tok in ref, "a filtered-out token was drawn"
+            assert abs(lp - math.log(ref[tok])) < 1e-5
+            counts[tok] = counts.get(tok, 0) + 1
+        for tok, p in ref.items():
+            # within 5 standard deviations of the binomial count
+            assert abs(counts.get(tok, 0) - n * p) < 5 * math.sqrt(n * p * (1 - p)) + 1
+
+
+def test_greedy_rows_report_plain_logsoftmax_and_mix_with_sampled_rows():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
+    rows = [RowParams(0.0, 1.0, 0, None, 2), RowParams(1.0, 1.0, 0, None, 0)]
+    out = sample(logits, rows)
+    assert out.tokens[0] == 1
+    assert abs(out.logprobs[0] - torch.log_softmax(logits[0], -1)[1].item()) < 1e-6
+    assert [t for t, _ in out.top_logprobs[0]] == [1, 2] and out.top_logprobs[1] is None
+
+
+def test_seeded_rows_reproduce():
+    logits = torch.randn(3, 50)
+    a = sample(logits, [RowParams(1.0, 1.0, 0, torch.Generator().manual_seed(7), 0)] * 3)
+    b = sample(logits, [RowParams(1.0, 1.0, 0, torch.Generator().manual_seed(7), 0)] * 3)
+    assert a.tokens == b.tokens
