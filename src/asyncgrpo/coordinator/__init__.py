@@ -1,0 +1,1 @@
+"""Buffer + coordinator: the only place that knows about policy versions."""

@@ -1,0 +1,162 @@
+"""The rollout buffer: admission throttle, queue of scored groups, drop-at-consume.
+
+It sits between the orchestrator (an asyncio loop producing groups) and the
+trainer (a thread consuming batches), so it is thread-safe with one condition
+variable, and every state change wakes every waiter: a throttle that reopened
+only at the next weight sync would idle the engine.
+
+Accounting closes by construction — each admitted group ends in exactly one of
+`consumed`, `dropped[reason]`, or is still `queued`/`in_flight`:
+
+    admitted == consumed + sum(dropped.values()) + queued + in_flight
+
+The queue never overflows and never drops the oldest data silently: admission
+bounds `queued + in_flight` (see `staleness.py`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from typing import Protocol
+
+from asyncgrpo.coordinator.staleness import is_too_stale, may_admit, staleness
+
+
+class VersionedGroup(Protocol):
+    """What the buffer needs to know about a group: the version of its oldest token."""
+
+    min_version: int
+
+
+class BufferClosed(Exception):
+    """The buffer was closed while a caller was waiting on it."""
+
+
+class RolloutBuffer:
+    def __init__(self, batch_groups: int, max_staleness: int):
+        if batch_groups < 1:
+            raise ValueError("batch_groups must be >= 1")
+        if max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0")
+        self.batch_groups = batch_groups
+        self.max_staleness = max_staleness
+        self._cond = threading.Condition()
+        self._queue: deque = deque()
+        self._closed = False
+        self.engine_version = 0
+        self.in_flight = 0
+        self.admitted = 0
+        self.consumed = 0
+        self.dropped: Counter[str] = Counter()
+        self.staleness_seen: list[int] = []  # staleness of every consumed group
+
+    # ---- producer side -------------------------------------------------------
+
+    def _admissible(self) -> bool:
+        return may_admit(
+            engine_version=self.engine_version,
+            max_staleness=self.max_staleness,
+            batch_groups=self.batch_groups,
+            consumed=self.consumed,
+            queued=len(self._queue),
+            in_flight=self.in_flight,
+        )
+
+    def wait_admit(self, timeout: float | None = None) -> bool:
+        """Block until one more group may start; count it in flight. False on timeout."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._closed or self._admissible(), timeout):
+                return False
+            if self._closed:
+                raise BufferClosed
+            self.in_flight += 1
+            self.admitted += 1
+            return True
+
+    def put(self, group: VersionedGroup) -> None:
+        """A group admitted earlier is scored and ready for training."""
+        with self._cond:
+            self.in_flight -= 1
+            self._queue.append(group)
+            self._cond.notify_all()
+
+    def discard(self, reason: str) -> None:
+        """A group admitted earlier will never arrive (filtered, failed, ...): release its quota."""
+        with self._cond:
+            self.in_flight -= 1
+            self.dropped[reason] += 1
+            self._cond.notify_all()
+
+    def set_engine_version(self, version: int) -> None:
+        with self._cond:
+            self.engine_version = version
+            self._cond.notify_all()
+
+    # ---- consumer side -------------------------------------------------------
+
+    def get_batch(self, trainer_version: int, timeout: float | None = None) -> list:
+        """Take the next `batch_groups` fresh groups, dropping (and counting) stale ones.
+
+        Raises TimeoutError when no full batch arrives within `timeout`, BufferClosed when
+        closed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._drop_stale(trainer_version)
+                if len(self._queue) >= self.batch_groups:
+                    break
+                if self._closed:
+                    raise BufferClosed
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"no full batch of {self.batch_groups} groups within {timeout:.0f}s "
+                        f"(queued {len(self._queue)}, in flight {self.in_flight})"
+                    )
+                self._cond.wait(remaining)
+            batch = [self._queue.popleft() for _ in range(self.batch_groups)]
+            self.consumed += len(batch)
+            self.staleness_seen.extend(staleness(trainer_version, g.min_version) for g in batch)
+            self._cond.notify_all()
+            return batch
+
+    def _drop_stale(self, trainer_version: int) -> None:
+        fresh = deque()
+        for group in self._queue:
+            if is_too_stale(trainer_version, group.min_version, self.max_staleness):
+                self.dropped["stale"] += 1
+            else:
+                fresh.append(group)
+        if len(fresh) != len(self._queue):
+            self._queue = fresh
+            self._cond.notify_all()
+
+    # ---- lifecycle and metrics -----------------------------------------------
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def requeue_front(self, groups: list) -> None:
+        """Put groups taken by `get_batch` back (a step that failed before using them)."""
+        with self._cond:
+            for g in reversed(groups):
+                self._queue.appendleft(g)
+            self.consumed -= len(groups)
+            del self.staleness_seen[-len(groups) :]
+            self._cond.notify_all()
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            return {
+                "admitted": self.admitted,
+                "consumed": self.consumed,
+                "queued": len(self._queue),
+                "in_flight": self.in_flight,
+                "dropped": dict(self.dropped),
+                "engine_version": self.engine_version,
+            }

@@ -1,0 +1,128 @@
+"""Staleness rules and the rollout buffer: bounds hold, quota is released, accounting closes."""
+
+import random
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from asyncgrpo.coordinator.buffer import BufferClosed, RolloutBuffer
+from asyncgrpo.coordinator.staleness import admission_budget, is_too_stale, may_admit
+
+
+@dataclass
+class G:
+    min_version: int
+
+
+def test_budget_never_empty_at_staleness_zero():
+    # Bug 5 of the anchors: staleness * batch == 0 stalls. Here one batch per version is admitted.
+    assert admission_budget(engine_version=0, max_staleness=0, batch_groups=4, consumed=0) == 4
+    assert admission_budget(engine_version=3, max_staleness=0, batch_groups=4, consumed=12) == 4
+    # the engine lagging one version behind the trainer shrinks the budget
+    assert admission_budget(engine_version=2, max_staleness=0, batch_groups=4, consumed=12) == 0
+    assert admission_budget(engine_version=2, max_staleness=2, batch_groups=4, consumed=12) == 8
+
+
+def test_may_admit_counts_queued_and_in_flight():
+    kw = dict(engine_version=1, max_staleness=1, batch_groups=2, consumed=2)
+    assert may_admit(**kw, queued=0, in_flight=3)
+    assert not may_admit(**kw, queued=1, in_flight=3)
+
+
+def test_stale_rule():
+    assert not is_too_stale(5, 3, 2)
+    assert is_too_stale(5, 2, 2)
+
+
+def test_filtered_and_failed_groups_release_quota():
+    buf = RolloutBuffer(batch_groups=2, max_staleness=0)
+    assert buf.wait_admit(0) and buf.wait_admit(0)
+    assert not buf.wait_admit(0.01)  # budget of one batch is used
+    buf.discard("zero_variance")
+    assert buf.wait_admit(0)  # quota came back at once, no sync needed
+    buf.discard("reward_error")
+    buf.put(G(0))
+    assert buf.wait_admit(0)
+    buf.put(G(0))
+    assert buf.get_batch(trainer_version=0, timeout=1) == [G(0), G(0)]
+    snap = buf.snapshot()
+    assert (
+        snap["admitted"]
+        == snap["consumed"] + sum(snap["dropped"].values()) + snap["queued"] + snap["in_flight"]
+    )
+
+
+def test_drop_at_consume_counts_stale_groups():
+    buf = RolloutBuffer(batch_groups=1, max_staleness=1)
+    for _ in range(3):
+        buf.wait_admit(0)
+    buf.put(G(0))
+    buf.put(G(2))
+    buf.put(G(3))
+    assert buf.get_batch(trainer_version=3, timeout=1) == [G(2)]
+    assert buf.dropped["stale"] == 1
+    assert buf.staleness_seen == [1]
+
+
+def test_get_batch_times_out_and_close_wakes_waiters():
+    buf = RolloutBuffer(batch_groups=2, max_staleness=0)
+    with pytest.raises(TimeoutError, match="no full batch"):
+        buf.get_batch(0, timeout=0.05)
+    errors = []
+
+    def consumer():
+        try:
+            buf.get_batch(0)
+        except BufferClosed:
+            errors.append("closed")
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    buf.close()
+    t.join(2)
+    assert errors == ["closed"] and not t.is_alive()
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_simulated_pipeline_respects_bound_and_accounting(max_staleness, in_order):
+    """Random producer/consumer interleavings: trained staleness never exceeds the bound.
+
+    When groups finish in the order they started, the throttle alone keeps every group
+    fresh; when they finish out of order, late ones are dropped at consume and counted.
+    """
+    rng = random.Random(max_staleness)
+    batch = 3
+    buf = RolloutBuffer(batch_groups=batch, max_staleness=max_staleness)
+    in_flight = []  # versions at which running groups started
+    trainer_version = engine_version = 0
+    for _ in range(3000):
+        action = rng.random()
+        if action < 0.4 and buf.wait_admit(0):
+            in_flight.append(engine_version)
+        elif action < 0.75 and in_flight:
+            started = in_flight.pop(0 if in_order else rng.randrange(len(in_flight)))
+            if rng.random() < 0.1:
+                buf.discard("filtered")
+            else:
+                buf.put(G(started))
+        elif action < 0.9:
+            try:
+                buf.get_batch(trainer_version, timeout=0)
+            except TimeoutError:
+                continue
+            trainer_version += 1
+        elif engine_version < trainer_version:
+            engine_version = trainer_version  # weight sync
+            buf.set_engine_version(engine_version)
+    assert trainer_version > 10
+    assert max(buf.staleness_seen) <= max_staleness
+    if in_order:
+        assert buf.dropped["stale"] == 0
+    snap = buf.snapshot()
+    assert snap["in_flight"] == len(in_flight)
+    assert (
+        snap["admitted"]
+        == snap["consumed"] + sum(snap["dropped"].values()) + snap["queued"] + snap["in_flight"]
+    )
