@@ -1,0 +1,171 @@
+"""Checkpoints that survive `kill -9` and never need pickle.
+
+A checkpoint is a directory `checkpoints/step-000123/` holding the model weights
+(`model.safetensors`), the optimizer's tensors flattened into
+`optimizer.safetensors`, and everything else — optimizer hyper-parameters,
+scheduler, data position, policy version, RNG states — in `state.json`. It is
+written into a temporary directory and renamed into place, so a crash leaves
+either the previous checkpoint or the new one, never half of one; `latest`
+names the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+
+@dataclass
+class TrainingState:
+    """Scalars that must be restored with the weights."""
+
+    step: int
+    version: int
+    data_position: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, per_param in state["state"].items():
+        for key, value in per_param.items():
+            if torch.is_tensor(value):
+                tensors[f"{idx}.{key}"] = value.detach().contiguous().cpu()
+            else:
+                scalars[f"{idx}.{key}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
+    per_param: dict[int, dict] = {}
+    for name, value in tensors.items():
+        idx, key = name.split(".", 1)
+        per_param.setdefault(int(idx), {})[key] = value
+    for name, value in meta["scalars"].items():
+        idx, key = name.split(".", 1)
+        per_param.setdefault(int(idx), {})[key] = value
+    optimizer.load_state_dict({"state": per_param, "param_groups": meta["param_groups"]})
+
+
+def _rng_state() -> tuple[dict, dict]:
+    np_state = np.random.get_state()
+    tensors = {"torch_rng": torch.get_rng_state()}
+    meta = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+    return tensors, meta
+
+
+def _restore_rng(tensors: dict, meta: dict) -> None:
+    torch.set_rng_state(tensors["torch_rng"])
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: TrainingState,
+    keep: int = 2,
+) -> Path:
+    """Write `directory/step-NNNNNN` atomically and point `latest` at it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"step-{state.step:06d}"
+    tmp = directory / f".tmp-step-{state.step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    _dedupe_shared(weights)
+    save_file(weights, tmp / "model.safetensors")
+    opt_tensors, opt_meta = _optimizer_tensors(optimizer)
+    rng_tensors, rng_meta = _rng_state()
+    save_file(
+        {**opt_tensors, **{f"rng.{k}": v for k, v in rng_tensors.items()}},
+        tmp / "optimizer.safetensors",
+    )
+    meta = {
+        "step": state.step,
+        "version": state.version,
+        "data_position": state.data_position,
+        "extra": state.extra,
+        "optimizer": opt_meta,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": rng_meta,
+    }
+    (tmp / "state.json").write_text(json.dumps(meta))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    latest_tmp = directory / ".latest.tmp"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, directory / "latest")
+    for old in sorted(directory.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _dedupe_shared(weights: dict) -> None:
+    """Drop aliases of tied tensors (safetensors refuses shared storage)."""
+    seen: dict[tuple, str] = {}
+    for name in list(weights):
+        t = weights[name]
+        key = (t.data_ptr(), t.shape, t.stride())
+        if key in seen:
+            del weights[name]
+        else:
+            seen[key] = name
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    pointer = Path(directory) / "latest"
+    if not pointer.exists():
+        return None
+    path = Path(directory) / pointer.read_text().strip()
+    return path if (path / "state.json").exists() else None
+
+
+def load_checkpoint(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> TrainingState:
+    """Restore model, optimizer, scheduler and RNG in place; return the scalar state."""
+    path = Path(path)
+    weights = load_file(path / "model.safetensors")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [m for m in missing if not _is_tied_alias(model, m)]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    meta = json.loads((path / "state.json").read_text())
+    tensors = load_file(path / "optimizer.safetensors")
+    rng = {k[4:]: v for k, v in tensors.items() if k.startswith("rng.")}
+    opt = {k: v for k, v in tensors.items() if not k.startswith("rng.")}
+    _restore_optimizer(optimizer, opt, meta["optimizer"])
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    _restore_rng(rng, meta["rng"])
+    return TrainingState(meta["step"], meta["version"], meta["data_position"], meta["extra"])
+
+
+def _is_tied_alias(model: torch.nn.Module, name: str) -> bool:
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return (
+        name in tied
+        or name == "lm_head.weight"
+        and getattr(model.config, "tie_word_embeddings", False)
+    )
