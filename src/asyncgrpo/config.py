@@ -137,6 +137,9 @@ class TrainerConfig(Section):
     """Run the trainer's forward under bf16 autocast (only worth it on CPUs with AVX512-BF16)."""
     num_threads: int = Field(1, ge=1)
     """torch threads of the trainer process."""
+    old_logprobs: Literal["current", "engine"] = "current"
+    """π_old of the clipped ratio: the current policy detached (one step per batch, staleness
+    corrected by the behaviour weights) or the engine's log-probs (TRL's async trainer)."""
 
 
 class RunConfig(Section):

@@ -286,7 +286,9 @@ class Engine:
         def copy_all():
             with torch.no_grad():
                 for name, tensor in staged:
-                    self._params[name].copy_(tensor)
+                    # round to the weight dtype first: a bf16 model stays a bf16 model
+                    # even when the engine computes in fp32
+                    self._params[name].copy_(tensor.to(self.dtype))
 
         await self._run_on_engine(copy_all)
 

@@ -1,0 +1,49 @@
+"""What a rollout produces: version-stamped token sequences, grouped per prompt.
+
+Training reads these exact ids and log-probs (never re-tokenised text), and the
+coordinator reads `min_version` — the oldest token of the group — to bound and
+measure staleness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of a prompt."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each completion token
+    versions: list[int]  # weight version that sampled each completion token
+    finish_reason: str
+    text: str
+    rewards: list[float | None] = field(default_factory=list)  # one per reward function
+    reward: float = float("nan")  # combined reward (NaN: masked)
+    advantage: float = 0.0
+
+    @property
+    def min_version(self) -> int:
+        return min(self.versions) if self.versions else 0
+
+
+@dataclass
+class Group:
+    """The `num_generations` rollouts of one prompt, the unit of admission and staleness."""
+
+    group_id: int  # unique for the whole run, across epochs
+    data_index: int  # position of the prompt row in the run's data order
+    row: dict[str, Any]
+    rollouts: list[Rollout]
+    zero_variance: bool = False
+
+    @property
+    def min_version(self) -> int:
+        return min(r.min_version for r in self.rollouts)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.prompt_ids) + len(r.completion_ids) for r in self.rollouts)

@@ -1,0 +1,84 @@
+"""Build a `Pipeline` from a `RunConfig` and optional user objects.
+
+Config names are resolved here: the model (`smollm2-135m`, a directory, a hub
+id), the dataset spec, the reward functions (built-in names or dotted paths).
+Objects passed by the Python API (`AsyncGRPOTrainer(model=..., reward_funcs=...,
+train_dataset=...)`) take precedence over the config's names.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from asyncgrpo.config import RunConfig
+from asyncgrpo.pipeline import Pipeline
+
+logger = logging.getLogger(__name__)
+
+
+def _model_dir(cfg: RunConfig, model: Any, run_dir: Path) -> str:
+    """A directory the engine process can load: the resolved name, or the user's model saved."""
+    if model is None or isinstance(model, str | Path):
+        from asyncgrpo.models import resolve_model
+
+        return str(resolve_model(str(model or cfg.model.name_or_path)))
+    target = run_dir / "initial_model"
+    if not (target / "config.json").exists():
+        model.save_pretrained(target)
+    return str(target)
+
+
+def build_pipeline(
+    cfg: RunConfig,
+    *,
+    resume: str | Path | None = None,
+    model: Any = None,
+    tokenizer: Any = None,
+    reward_funcs: list | None = None,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
+) -> Pipeline:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncgrpo.metrics.tracker import MetricsTracker
+    from asyncgrpo.rollout.data import load_prompts
+    from asyncgrpo.rollout.rewards import RewardRunner
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.trainer.num_threads)
+    run_dir = Path(resume) if resume else Path(cfg.output_dir) / cfg.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+
+    model_dir = _model_dir(cfg, model, run_dir)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if model is None or isinstance(model, str | Path):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.float()
+
+    if train_dataset is None:
+        train_dataset, loaded_eval = load_prompts(cfg.dataset, cfg.seed)
+        eval_dataset = eval_dataset if eval_dataset is not None else loaded_eval
+    funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
+    if not funcs:
+        raise ValueError("no reward functions: set `rewards:` in the recipe or pass reward_funcs")
+    tracker = MetricsTracker(
+        run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
+    )
+    return Pipeline(
+        cfg,
+        model=model,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        train_rows=train_dataset,
+        eval_rows=eval_dataset,
+        reward_runner=RewardRunner(funcs),
+        tracker=tracker,
+        run_dir=run_dir,
+    )
