@@ -170,6 +170,10 @@ class Engine:
             self._thread.join(timeout=30)
             self._thread = None
 
+    def is_alive(self) -> bool:
+        """True while the engine thread runs (False before start and after a crash)."""
+        return self._thread is not None and self._thread.is_alive()
+
     @property
     def is_paused(self) -> bool:
         return self._paused is not None
@@ -222,7 +226,7 @@ class Engine:
             raise EngineError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._live:
-            rid = f"{rid}-{next(self._ids)}"
+            raise EngineError(f"request id {rid!r} is already running", 409)
         request = _Request(
             rid, list(prompt_ids), params, asyncio.get_running_loop(), asyncio.Queue()
         )
@@ -270,8 +274,15 @@ class Engine:
     async def resume(self) -> None:
         await self._run_on_engine(lambda: setattr(self, "_paused", None))
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors (state_dict names) into the model between two decode steps."""
+    async def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        """Copy tensors (state_dict names) into the model between two decode steps.
+
+        With `version`, the version stamp changes in the same engine command as
+        the weights, so no token is ever stamped with a version it was not
+        sampled by (even when the engine is not paused).
+        """
         staged = list(named_tensors)
         for name, tensor in staged:
             target = self._params.get(name)
@@ -289,6 +300,8 @@ class Engine:
                     # round to the weight dtype first: a bf16 model stays a bf16 model
                     # even when the engine computes in fp32
                     self._params[name].copy_(tensor.to(self.dtype))
+            if version is not None:
+                self.weight_version = int(version)
 
         await self._run_on_engine(copy_all)
 

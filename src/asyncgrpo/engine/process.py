@@ -88,7 +88,8 @@ class EngineProcess:
     def start(self) -> None:
         if self.alive():
             return
-        self.port = free_port()
+        if self.port == 0:  # keep the address across restarts
+            self.port = free_port()
         env = dict(os.environ, ASYNCGRPO_ADMIN_TOKEN=self.admin_token)
         if self.num_threads:
             env["OMP_NUM_THREADS"] = str(self.num_threads)

@@ -57,6 +57,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
         # Keep a token while the mass before it is < top_p (the first token always stays).
         mass_before = probs.cumsum(dim=-1) - probs
         drop |= mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False  # cumsum rounding must never empty a row
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
