@@ -114,7 +114,11 @@ class Pipeline:
         )
         self.client = self.loop.run(self._make_client(retry))
         self.transport = make_transport("shm", self.client)
-        self.buffer = RolloutBuffer(cfg.coordinator.batch_groups, cfg.coordinator.max_staleness)
+        self.buffer = RolloutBuffer(
+            cfg.coordinator.batch_groups,
+            cfg.coordinator.max_staleness,
+            on_drop_stale=lambda g: self.prompts.done(g.data_index),
+        )
         self.prompts = PromptStream(train_rows, cfg.seed)
         self.orchestrator = Orchestrator(
             client=self.client,

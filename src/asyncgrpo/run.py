@@ -17,7 +17,7 @@ from pathlib import Path
 from asyncgrpo.config import RunConfig
 from asyncgrpo.metrics import plot_run
 from asyncgrpo.metrics.progress import ProgressDisplay
-from asyncgrpo.pipeline import Pipeline
+from asyncgrpo.pipeline import Pipeline, RunAborted
 from asyncgrpo.wiring import build_pipeline
 
 logger = logging.getLogger(__name__)
@@ -72,3 +72,50 @@ def _stop_on_signals() -> threading.Event:
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     return stop
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`asyncgrpo train CONFIG.yaml [--set key=value ...] [--resume RUN_DIR]`."""
+    import argparse
+
+    from asyncgrpo.config import ConfigError, describe, load_config
+
+    parser = argparse.ArgumentParser(
+        prog="asyncgrpo train", description="Train with asynchronous GRPO from a recipe."
+    )
+    parser.add_argument("config", nargs="?", help="recipe YAML (see recipes/)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field by its dotted path, e.g. --set trainer.learning_rate=2e-5",
+    )
+    parser.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint"
+    )
+    parser.add_argument("--help-config", action="store_true", help="list every config field")
+    args = parser.parse_args(argv)
+    if args.help_config:
+        print("\n".join(describe()))
+        return 0
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config_path = args.config
+        if config_path is None and args.resume:
+            config_path = str(Path(args.resume) / "config.yaml")  # the run's resolved config
+        if config_path is None:
+            parser.error("a recipe is required (or --resume RUN_DIR)")
+        cfg = load_config(config_path, args.overrides)
+        run_dir = train(cfg, resume=args.resume)
+    except ConfigError as exc:
+        print(f"error: {exc}")
+        return 2
+    except RunAborted as exc:
+        print(f"run aborted: {exc}")
+        return 1
+    print(f"run directory: {run_dir}")
+    return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Protocol
 
 from asyncgrpo.coordinator.staleness import is_too_stale, may_admit, staleness
@@ -35,13 +36,19 @@ class BufferClosed(Exception):
 
 
 class RolloutBuffer:
-    def __init__(self, batch_groups: int, max_staleness: int):
+    def __init__(
+        self,
+        batch_groups: int,
+        max_staleness: int,
+        on_drop_stale: Callable[[VersionedGroup], None] | None = None,
+    ):
         if batch_groups < 1:
             raise ValueError("batch_groups must be >= 1")
         if max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
+        self.on_drop_stale = on_drop_stale  # e.g. mark the prompt done (it will not be trained)
         self._cond = threading.Condition()
         self._queue: deque = deque()
         self._closed = False
@@ -128,6 +135,8 @@ class RolloutBuffer:
         for group in self._queue:
             if is_too_stale(trainer_version, group.min_version, self.max_staleness):
                 self.dropped["stale"] += 1
+                if self.on_drop_stale is not None:
+                    self.on_drop_stale(group)
             else:
                 fresh.append(group)
         if len(fresh) != len(self._queue):

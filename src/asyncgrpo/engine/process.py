@@ -31,6 +31,30 @@ class EngineProcessError(RuntimeError):
     pass
 
 
+PARENT_PID_ENV = "ASYNCGRPO_PARENT_PID"
+
+
+def exit_with_parent(period: float = 1.0) -> None:
+    """In the child: exit when the process that started us is gone.
+
+    The engine runs in its own session (so a terminal's Ctrl-C reaches only the
+    trainer, which then stops it cleanly); without this watch a trainer killed
+    with SIGKILL would leave an orphaned engine holding its cores forever.
+    """
+    import threading
+
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(period)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="asyncgrpo-parent-watch", daemon=True).start()
+
+
 class EngineProcess:
     """A supervised `asyncgrpo serve` child process bound to 127.0.0.1."""
 
@@ -90,7 +114,9 @@ class EngineProcess:
             return
         if self.port == 0:  # keep the address across restarts
             self.port = free_port()
-        env = dict(os.environ, ASYNCGRPO_ADMIN_TOKEN=self.admin_token)
+        env = dict(
+            os.environ, ASYNCGRPO_ADMIN_TOKEN=self.admin_token, **{PARENT_PID_ENV: str(os.getpid())}
+        )
         if self.num_threads:
             env["OMP_NUM_THREADS"] = str(self.num_threads)
         if self.log_path:
