@@ -10,6 +10,7 @@ maths in `trainer/`, the staleness rules in `coordinator/`.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -398,12 +399,41 @@ class Pipeline:
         self._last = {"time": now, "t_run": self.tracker.elapsed(), "gen_tokens": gen_tokens}
         row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
         self.tracker.log_step(self.step, row)
+        self.tracker.log_samples(
+            self.step,
+            [
+                {
+                    "group_id": g.group_id,
+                    "data_index": g.data_index,
+                    "min_version": g.min_version,
+                    "completion": g.rollouts[0].text,
+                    "reward": g.rollouts[0].reward,
+                    "finish_reason": g.rollouts[0].finish_reason,
+                }
+                for g in groups
+            ],
+        )
         return row
+
+    def accounting(self) -> dict[str, Any]:
+        """Where every admitted group went; `admitted` equals the sum of the rest."""
+        snap = self.buffer.snapshot()
+        return {
+            **snap,
+            "failures": dict(self.orchestrator.failures),
+            "engine_restarts": self.engine.restarts if self.engine is not None else 0,
+        }
 
     def close(self) -> None:
         """Stop rollouts, the loop thread and the engine; safe to call twice."""
         self.orchestrator.stop()
         self.buffer.close()
+        if self._rollouts is not None:
+            try:  # let the dispatcher cancel its group tasks before counting
+                self._rollouts.result(timeout=10)
+            except Exception:
+                pass
+        (self.run_dir / "accounting.json").write_text(json.dumps(self.accounting(), indent=1))
         try:
             self.loop.run(self.transport.close(), timeout=5)
             self.loop.run(self.client.aclose(), timeout=5)

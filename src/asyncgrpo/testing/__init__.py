@@ -100,10 +100,35 @@ def save_tiny_model_dir(path: str | Path, **model_kwargs) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer()
-    model = build_tiny_llama(
-        len(tokenizer), eos_token_id=tokenizer.eos_token_id, **model_kwargs
-    )
+    model = build_tiny_llama(len(tokenizer), eos_token_id=tokenizer.eos_token_id, **model_kwargs)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# ---- reward functions for pipeline tests on tiny random models (TRL signature) ----
+
+
+def even_token_reward(prompts, completions, completion_ids, **columns):
+    """Fraction of even token ids: dense, random-model friendly, and learnable."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def failing_on_flag_reward(prompts, completions, completion_ids, fail=None, **columns):
+    """0 for every completion, but raises for rows whose `fail` column is true."""
+    if fail is not None and any(fail):
+        raise RuntimeError("this row is marked to fail")
+    return [0.0 for _ in completion_ids]
+
+
+def tiny_prompt_rows(count: int, fail_every: int = 0) -> list[dict]:
+    """Chat prompts for tiny models; with `fail_every`, every n-th row has `fail=True`."""
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"What is {i} + {i % 7}?"}],
+            "answer": str(i + i % 7),
+            "fail": bool(fail_every) and i % fail_every == fail_every - 1,
+        }
+        for i in range(count)
+    ]
