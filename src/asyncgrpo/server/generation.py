@@ -1,0 +1,211 @@
+"""From engine deltas to OpenAI choices: merging prompts, accumulating tokens, detokenizing.
+
+One HTTP request may carry several prompts (`/v1/completions` with a list),
+each with `n` samples; every (prompt, sample) pair is one choice, numbered
+`prompt_index * n + sample_index` as vLLM does. The engine runs each prompt as
+its own request; `GenerationJob.deltas()` interleaves their token deltas. When
+the consumer stops (client gone, task cancelled), the engine requests are
+aborted through the engine's own generator clean-up, which frees their slots.
+
+Text is produced incrementally and never retracted, so the concatenated stream
+equals the non-streamed text: bytes of an unfinished UTF-8 character are held
+back, and so is the tail that could still become a stop string (which, as in
+the OpenAI API, is cut from the text; token ids keep every sampled token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from asyncgrpo.engine.types import EngineError, SamplingParams, TokenDelta
+
+
+class TextAssembler:
+    """Incremental detokenizer with stop-string hold-back."""
+
+    def __init__(self, tokenizer, stops: list[str], skip_special_tokens=True, include_stop=False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""  # released so far
+        self._pending = ""  # decoded, not yet released
+        self._prefix = 0  # ids[_prefix:_read] decode to the last released piece
+        self._read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_new(self, final: bool) -> str:
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def _release(self, upto: int) -> str:
+        piece, self._pending = self._pending[:upto], self._pending[upto:]
+        self.text += piece
+        return piece
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add tokens; return the text that is now certain."""
+        self.ids.extend(token_ids)
+        self._pending += self._decode_new(final=False)
+        return self._release(max(0, len(self._pending) - self.holdback))
+
+    def finish(self, stop_reason: str | int | None) -> str:
+        """Flush everything; cut at the stop string that ended the sample."""
+        self._pending += self._decode_new(final=True)
+        if isinstance(stop_reason, str) and stop_reason:
+            at = self._pending.find(stop_reason)
+            if at >= 0:
+                end = at + len(stop_reason) if self.include_stop else at
+                self._pending = self._pending[:end]
+        return self._release(len(self._pending))
+
+
+@dataclass
+class Choice:
+    """Everything generated so far for one choice."""
+
+    index: int
+    prompt_index: int
+    text: TextAssembler
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: TokenDelta) -> str:
+        """Record a delta; return its new text."""
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.versions += delta.versions
+        self.top_logprobs += delta.top_logprobs or [[] for _ in delta.token_ids]
+        piece = self.text.push(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            piece += self.text.finish(delta.stop_reason)
+        return piece
+
+
+class GenerationJob:
+    """The prompts of one HTTP request, run on the engine as one engine request each."""
+
+    def __init__(
+        self,
+        engine,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        id_prefix: str = "cmpl",
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ):
+        self.engine = engine
+        self.prompts = prompts
+        self.params = params
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.choices = {
+            p * params.n + i: Choice(
+                p * params.n + i,
+                p,
+                TextAssembler(engine.tokenizer, params.stop, skip_special_tokens, include_stop),
+            )
+            for p in range(len(prompts))
+            for i in range(params.n)
+        }
+
+    def check(self) -> None:
+        """Refuse bad requests before any response starts (the engine checks again)."""
+        if not self.engine.is_alive():
+            raise EngineError("the engine is not running", 503)
+        self.params.validate()
+        limit = self.engine.max_model_len
+        for prompt in self.prompts:
+            if not prompt:
+                raise EngineError("prompt is empty")
+            if len(prompt) + 1 > limit:
+                raise EngineError(
+                    f"prompt has {len(prompt)} tokens but max_model_len is {limit} "
+                    "(prompt + at least one generated token must fit)"
+                )
+            if min(prompt) < 0 or max(prompt) >= self.engine.vocab_size:
+                raise EngineError(f"prompt token ids must be in [0, {self.engine.vocab_size})")
+        if self.params.n > self.engine.config.max_num_seqs:
+            raise EngineError(
+                f"n={self.params.n} exceeds max_num_seqs={self.engine.config.max_num_seqs}"
+            )
+
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+    async def deltas(self) -> AsyncIterator[tuple[Choice, TokenDelta, str]]:
+        """(choice, delta, new text) for every delta of every prompt, as they arrive."""
+        streams = [
+            self.engine.generate(prompt, self.params, request_id=f"{self.id}-{p}")
+            for p, prompt in enumerate(self.prompts)
+        ]
+        async with aclosing(_merge(streams)) as merged:
+            async for p, delta in merged:
+                choice = self.choices[p * self.params.n + delta.index]
+                yield choice, delta, choice.add(delta)
+
+    async def run(self) -> list[Choice]:
+        async with aclosing(self.deltas()) as deltas:
+            async for _ in deltas:
+                pass
+        return [self.choices[i] for i in sorted(self.choices)]
+
+
+async def _merge(streams: list) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """Interleave async generators; an error in one ends all; closing this closes all.
+
+    Every generator is closed explicitly (`aclosing`): an `async for` left early
+    does not close its iterator, and the engine frees a request's slots only when
+    its generator is closed.
+    """
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((index, item))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        queue.put_nowait((index, finished))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is finished:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

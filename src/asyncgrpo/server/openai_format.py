@@ -1,0 +1,117 @@
+"""OpenAI response shapes (plus vLLM's RL extensions) for chat and text completions.
+
+Kept apart from the routes so the JSON an RL client depends on is in one place:
+`logprobs` in the chat shape (`content[].{token, logprob, bytes, top_logprobs}`)
+and the completions shape (`tokens`, `token_logprobs`, `top_logprobs`,
+`text_offset`); `token_ids`/`prompt_token_ids` when `return_token_ids` is set
+(chat: prompt ids at the top level; completions: per choice, as vLLM does);
+`stop_reason` as in vLLM; and our `weight_versions`, one per generated token.
+"""
+
+from __future__ import annotations
+
+import time
+
+from asyncgrpo.server.generation import Choice
+
+
+class TokenText:
+    """Token id -> its text (cached: top-log-prob lists repeat the same ids)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+
+def chat_logprobs(token_text: TokenText, ids, logprobs, tops) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+            for t, lp, top in zip(ids, logprobs, tops)
+        ]
+    }
+
+
+def completion_logprobs(token_text: TokenText, ids, logprobs, tops, offset: int = 0) -> dict:
+    tokens = [token_text(t) for t in ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    top_dicts = []
+    for t, lp, top in zip(ids, logprobs, tops):
+        alternatives = {token_text(a): alp for a, alp in top}
+        alternatives[token_text(t)] = lp  # the sampled token is always listed, as in vLLM
+        top_dicts.append(alternatives)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(logprobs),
+        "top_logprobs": top_dicts,
+        "text_offset": offsets,
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(
+    job_id: str, kind: str, model: str, choices: list[dict], created: int | None = None
+) -> dict:
+    return {
+        "id": job_id,
+        "object": kind,
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": choices,
+    }
+
+
+def chat_choice(c: Choice, token_text: TokenText, with_logprobs: bool, with_ids: bool) -> dict:
+    choice = {
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text.text},
+        "logprobs": chat_logprobs(token_text, c.token_ids, c.logprobs, c.top_logprobs)
+        if with_logprobs
+        else None,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "weight_versions": c.versions,
+    }
+    if with_ids:
+        choice["token_ids"] = c.token_ids
+    return choice
+
+
+def completion_choice(
+    c: Choice, token_text: TokenText, with_logprobs: bool, with_ids: bool, prompt: list[int]
+) -> dict:
+    choice = {
+        "index": c.index,
+        "text": c.text.text,
+        "logprobs": completion_logprobs(token_text, c.token_ids, c.logprobs, c.top_logprobs)
+        if with_logprobs
+        else None,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "weight_versions": c.versions,
+    }
+    if with_ids:
+        choice["token_ids"] = c.token_ids
+        choice["prompt_token_ids"] = prompt
+    return choice

@@ -1,0 +1,56 @@
+"""Weight transports: how the trainer's tensors reach the engine.
+
+Every transport drives the same four engine calls (vLLM's weight-update
+protocol): `init_weight_transfer_engine` (which backend), `start_weight_update`,
+one or more `update_weights`, and `finish_weight_update` with the new version,
+which the engine applies together with the weights in one step. They differ
+only in how the bytes travel, and all of them move a safetensors image
+(`layout.py`), never a pickle:
+
+- `shm`  (default, same host): one copy into a shared-memory file the engine maps;
+- `disk` (shared filesystem): a safetensors file in a directory, as vLLM's disk backend;
+- `http` (any host): the safetensors bytes as the request body.
+
+`make_transport(kind, client)` picks one by name (the config's `type`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+
+class WeightTransport(Protocol):
+    """Publishes a full set of weights to one engine."""
+
+    async def publish(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Send the tensors (state_dict names) and make them live as `version`, atomically."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the transport holds (shared-memory segments, temporary files)."""
+        ...
+
+
+def make_transport(kind: str, client, **options) -> WeightTransport:
+    """`kind` is "shm", "disk" or "http"; `client` is an `EngineClient`."""
+    if kind == "shm":
+        from asyncgrpo.transport.shm import ShmTransport
+
+        return ShmTransport(client, **options)
+    if kind == "disk":
+        from asyncgrpo.transport.disk import DiskTransport
+
+        return DiskTransport(client, **options)
+    if kind == "http":
+        from asyncgrpo.transport.http import HttpTransport
+
+        return HttpTransport(client, **options)
+    raise ValueError(f"unknown weight transport {kind!r}; expected 'shm', 'disk' or 'http'")
+
+
+__all__ = ["WeightTransport", "make_transport"]
