@@ -1,0 +1,198 @@
+"""Weight updates through every transport, pause modes and the client's errors, over real HTTP.
+
+After each publish the engine's log-probs must equal a plain forward pass of
+the *published* weights: that catches a transport that moves bytes to the
+wrong place, not just one that moves nothing.
+"""
+
+import asyncio
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncgrpo.client import EngineClient, EngineHTTPError
+from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.transport import make_transport
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    proc = EngineProcess(str(tiny_model_dir), dtype="float32", num_threads=1, max_num_seqs=8)
+    proc.start()
+    try:
+        proc.wait_ready(120)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def reference_logprobs(model, prompt, completion):
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt + completion])).logits[0], dim=-1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(completion)]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_each_backend_changes_outputs_and_bumps_versions(server, tokenizer, model):
+    prompt = tokenizer.encode("Hello, world!")
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+
+    async def scenario():
+        async with EngineClient(server.base_url, admin_token=server.admin_token) as client:
+            before = await client.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True)
+            previous = before.samples[0]
+            for version, (backend, scale) in enumerate(
+                [("shm", 1.15), ("disk", 0.85), ("http", 1.3)], start=1
+            ):
+                new = {k: v * scale for k, v in original.items()}
+                options = {"max_chunk_bytes": 64 * 1024} if backend == "http" else {}
+                transport = make_transport(backend, client, **options)
+                try:
+                    await transport.publish(new.items(), version)
+                    shm_path = getattr(transport, "segment_path", None)
+                finally:
+                    await transport.close()
+                if shm_path is not None:
+                    assert not os.path.exists(shm_path)  # close() freed the segment
+                model.load_state_dict(new)
+                greedy = await client.complete(
+                    prompt, max_tokens=12, temperature=0, ignore_eos=True
+                )
+                sample = greedy.samples[0]
+                assert sample.weight_versions == [version] * 12, backend
+                assert sample.logprobs != previous.logprobs, backend
+                sampled = await client.complete(
+                    prompt, max_tokens=12, seed=version, ignore_eos=True
+                )
+                s = sampled.samples[0]
+                err = max(
+                    abs(a - b)
+                    for a, b in zip(reference_logprobs(model, prompt, s.token_ids), s.logprobs)
+                )
+                assert err < 1e-4, (backend, err)
+                assert (await client.server_info())["weight_version"] == version
+                previous = sample
+
+    try:
+        run(scenario())
+    finally:
+        model.load_state_dict(original)
+
+
+def test_bad_weight_updates_are_refused_and_change_nothing(server, tokenizer):
+    prompt = tokenizer.encode("Hello")
+
+    async def scenario():
+        async with EngineClient(server.base_url, admin_token=server.admin_token) as client:
+            info = await client.server_info()
+            before = await client.complete(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+            transport = make_transport("shm", client)
+            with pytest.raises(EngineHTTPError, match="unknown parameter 'nope.weight'"):
+                await transport.publish([("nope.weight", torch.zeros(3))], 99)
+            await transport.close()
+            with pytest.raises(EngineHTTPError, match="start_weight_update"):
+                await client.update_weights({"path": "/nonexistent"})
+            await client.init_weight_transfer_engine("shm")
+            await client.start_weight_update()
+            with pytest.raises(EngineHTTPError, match="cannot read weights"):
+                await client.update_weights({"path": "/nonexistent", "names": []})
+            with pytest.raises(EngineHTTPError, match="unknown weight transfer backend"):
+                await client.init_weight_transfer_engine("carrier-pigeon")
+            after = await client.complete(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+            assert after.samples[0].token_ids == before.samples[0].token_ids
+            assert (await client.server_info())["weight_version"] == info["weight_version"]
+
+    run(scenario())
+
+
+async def _first_tokens(server, body):
+    """Start a streamed completion and return (task collecting it, event set at its first token)."""
+    import httpx
+
+    first = asyncio.Event()
+    out = {"ids": [], "versions": [], "finish": None}
+
+    async def collect():
+        import json
+
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    choice = json.loads(line[6:])["choices"][0]
+                    out["ids"] += choice["token_ids"]
+                    out["versions"] += choice["weight_versions"]
+                    out["finish"] = choice["finish_reason"] or out["finish"]
+                    first.set()
+        return out
+
+    task = asyncio.create_task(collect())
+    await asyncio.wait_for(first.wait(), 30)
+    return task
+
+
+def test_pause_keep_abort_and_wait(server, tokenizer, model):
+    prompt = tokenizer.encode("The quick brown fox")
+    body = {"prompt": prompt, "max_tokens": 450, "ignore_eos": True, "return_token_ids": True}
+    state = model.state_dict()
+
+    async def scenario():
+        async with EngineClient(server.base_url, admin_token=server.admin_token) as client:
+            start = (await client.server_info())["weight_version"]
+            transport = make_transport("shm", client)
+            # keep: the request survives the swap; its tokens carry both versions
+            task = await _first_tokens(server, body)
+            await client.pause("keep")
+            assert await client.is_paused()
+            await transport.publish(((k, v * 1.01) for k, v in state.items()), start + 1)
+            await client.resume()
+            kept = await task
+            assert kept["finish"] == "length" and len(kept["ids"]) == 450
+            assert kept["versions"][0] == start and kept["versions"][-1] == start + 1
+            assert kept["versions"] == sorted(kept["versions"])
+            # abort: partial output with finish_reason "abort"
+            task = await _first_tokens(server, body)
+            await client.pause("abort")
+            aborted = await task
+            assert aborted["finish"] == "abort" and 0 < len(aborted["ids"]) < 450
+            await client.resume()
+            # wait: pause returns only after the running request finished
+            task = await _first_tokens(server, {**body, "max_tokens": 200})
+            await client.pause("wait")
+            assert (await client.server_info())["stats"]["running"] == 0
+            waited = await asyncio.wait_for(task, 10)  # finished while paused: nothing frozen
+            assert waited["finish"] == "length" and len(waited["ids"]) == 200
+            await client.resume()
+            assert not await client.is_paused()
+            await transport.close()
+
+    run(scenario())
+
+
+def test_client_raises_4xx_with_the_server_message(server):
+    async def scenario():
+        async with EngineClient(server.base_url) as client:
+            with pytest.raises(EngineHTTPError) as info:
+                await client.complete([5] * 600, max_tokens=2)
+            assert info.value.status == 400 and "max_model_len is 512" in str(info.value)
+            with pytest.raises(EngineHTTPError) as info:
+                await client.pause("keep")  # no token given to this client
+            assert info.value.status == 401
+
+    run(scenario())
