@@ -132,8 +132,8 @@ def _is_loopback(host: str) -> bool:
 def train(argv: list[str]) -> int:
     try:
         from asyncgrpo.run import main as train_main
-    except ImportError:
-        print("asyncgrpo train is not available yet in this version", file=sys.stderr)
+    except ImportError as exc:
+        print(f"asyncgrpo train is not available yet in this version ({exc})", file=sys.stderr)
         return 2
     return train_main(argv)
 

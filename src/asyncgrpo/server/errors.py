@@ -7,16 +7,12 @@ over-long prompt surfaces as `BadRequestError` with our message.
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from asyncgrpo.engine.types import EngineError
-
-logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "BadRequestError",
@@ -65,5 +61,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        # Starlette sends this response, then re-raises so the server logs the traceback
         return error_response(f"internal error: {type(exc).__name__}: {exc}", 500)

@@ -1,0 +1,175 @@
+"""The server application in-process over a fake engine: auth, limits, weight-update state, errors."""
+
+import struct
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from asyncgrpo.server import ServerSettings, create_app
+from asyncgrpo.transport.layout import plan_layout, write_image
+
+
+class FakeEngine:
+    """Just enough of `Engine` for the control routes; records weight updates."""
+
+    model_name = "/models/fake"
+    max_model_len = 64
+    vocab_size = 100
+    dtype = torch.bfloat16
+    tokenizer = None
+
+    class config:
+        max_num_seqs = 4
+
+    def __init__(self):
+        self.alive = False
+        self.weight_version = 0
+        self.updates = []
+        self.is_paused = False
+        self.fail_pause = False
+
+    def start(self):
+        self.alive = True
+
+    def shutdown(self):
+        self.alive = False
+
+    def is_alive(self):
+        return self.alive
+
+    def stats(self):
+        return {"running": 0, "busy_seconds": 1.5}
+
+    async def pause(self, mode):
+        if self.fail_pause:
+            raise RuntimeError("pause machinery broke")
+        self.is_paused = True
+
+    async def resume(self):
+        self.is_paused = False
+
+    def abort_all(self):
+        return 0
+
+    async def update_weights(self, named_tensors, version=None):
+        self.updates.append(({n: t.clone() for n, t in named_tensors}, version))
+        self.weight_version = version
+
+
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+@pytest.fixture
+def engine():
+    return FakeEngine()
+
+
+def make_client(engine, **settings):
+    # as under uvicorn: the error response is sent, the exception is only logged
+    return TestClient(create_app(engine, ServerSettings(**settings)), raise_server_exceptions=False)
+
+
+def test_control_routes_are_refused_without_a_configured_token(engine):
+    with make_client(engine) as client:
+        assert client.get("/health").json() == {"status": "ok"}
+        for method, path in [("post", "/pause"), ("get", "/server_info"), ("post", "/resume")]:
+            r = getattr(client, method)(path, headers=AUTH)
+            assert r.status_code == 403 and "admin-token" in r.json()["error"]["message"]
+
+
+def test_token_is_required_and_server_info_has_stats(engine):
+    with make_client(engine, admin_token="s3cret", served_model_name="fake") as client:
+        assert client.get("/server_info").status_code == 401
+        assert (
+            client.get("/server_info", headers={"Authorization": "Bearer s3cre"}).status_code == 401
+        )
+        info = client.get("/server_info", headers=AUTH).json()
+        assert info["stats"]["busy_seconds"] == 1.5 and info["dtype"] == "bfloat16"
+        assert info["vllm_config"]["model_config"]["dtype"] == "torch.bfloat16"
+        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 64
+        assert client.post("/pause?mode=sideways", headers=AUTH).status_code == 422
+
+
+def test_engine_failures_become_json_errors_and_the_next_request_works(engine):
+    with make_client(engine, admin_token="s3cret") as client:
+        engine.fail_pause = True
+        r = client.post("/pause?mode=keep", headers=AUTH)
+        assert r.status_code == 500 and "pause machinery broke" in r.json()["error"]["message"]
+        engine.fail_pause = False
+        assert client.post("/pause?mode=keep", headers=AUTH).status_code == 200
+        assert client.get("/is_paused", headers=AUTH).json() == {"is_paused": True}
+        engine.alive = False
+        assert client.get("/health").status_code == 503
+        r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
+
+def test_body_limits_apply_to_declared_and_chunked_bodies(engine):
+    with make_client(engine, admin_token="s3cret", max_body_bytes=1000) as client:
+        big = b'{"prompt": "' + b"x" * 2000 + b'"}'
+        declared = client.post(
+            "/v1/completions", content=big, headers={"Content-Type": "application/json"}
+        )
+        assert declared.status_code == 413
+        chunked = client.post(
+            "/v1/completions",
+            content=iter([big[:700], big[700:]]),
+            headers={"Content-Type": "application/json"},
+        )
+        assert chunked.status_code == 413
+        small_chunked = client.post(
+            "/v1/completions",
+            content=iter([b'{"prompt": [1, 2],', b' "max_tokens": "x"}']),
+            headers={"Content-Type": "application/json"},
+        )
+        assert small_chunked.status_code == 422  # body replayed intact to the route
+
+
+def safetensors_bytes(tensors):
+    layout = plan_layout(tensors)
+    buffer = bytearray(layout.total_size)
+    write_image(buffer, layout, tensors)
+    return bytes(buffer)
+
+
+def test_weight_update_steps_must_come_in_order(engine):
+    with make_client(engine, admin_token="s3cret") as client:
+        post = lambda path, **kw: client.post(path, headers={**AUTH, **kw.pop("headers", {})}, **kw)  # noqa: E731
+        assert post("/start_weight_update").status_code == 409
+        assert (
+            post(
+                "/init_weight_transfer_engine", json={"init_info": {"backend": "http"}}
+            ).status_code
+            == 200
+        )
+        assert post("/update_weights", json={"update_info": {"path": "/x"}}).status_code == 409
+        assert post("/finish_weight_update", json={"weight_version": 1}).status_code == 409
+        assert post("/start_weight_update").status_code == 200
+        r = post("/finish_weight_update", json={"weight_version": 1})
+        assert r.status_code == 400 and "no tensors" in r.json()["error"]["message"]
+        assert engine.updates == []
+
+
+def test_http_backend_stages_bytes_and_applies_them_with_the_version(engine):
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    b = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    octet = {**AUTH, "Content-Type": "application/octet-stream"}
+    with make_client(engine, admin_token="s3cret", max_body_bytes=100) as client:
+        client.post(
+            "/init_weight_transfer_engine", headers=AUTH, json={"init_info": {"backend": "http"}}
+        )
+        client.post("/start_weight_update", headers=AUTH)
+        # the weight route has its own (larger) limit than the 100-byte default
+        r1 = client.post("/update_weights", headers=octet, content=safetensors_bytes([("w", w)]))
+        r2 = client.post("/update_weights", headers=octet, content=safetensors_bytes([("b", b)]))
+        assert r1.json()["tensors"] == 1 and r2.json()["tensors"] == 1
+        assert engine.updates == []  # nothing is applied before finish
+        done = client.post("/finish_weight_update", headers=AUTH, json={"weight_version": 7})
+        assert done.json()["weight_version"] == 7
+        corrupt = struct.pack("<Q", 10**9) + b"{}"
+        client.post("/start_weight_update", headers=AUTH)
+        bad = client.post("/update_weights", headers=octet, content=corrupt)
+        assert bad.status_code == 400 and "header length" in bad.json()["error"]["message"]
+    ((received, version),) = engine.updates
+    assert version == 7 and torch.equal(received["w"], w) and torch.equal(received["b"], b)
