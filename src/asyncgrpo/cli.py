@@ -33,7 +33,13 @@ def resolve_model_dir(name: str) -> str:
         except Exception as exc:
             raise CliError(f"cannot resolve model {name!r}: {exc}") from None
     if not os.path.isdir(name):
-        raise CliError(f"model directory not found: {name}")
+        looks_like_path = os.sep in name or name.startswith(".")
+        raise CliError(
+            f"model directory not found: {name}"
+            if looks_like_path
+            else f"cannot resolve model name {name!r} (asyncgrpo.models is not in this version); "
+            "pass a local Hugging Face model directory"
+        )
     if not os.path.isfile(os.path.join(name, "config.json")):
         raise CliError(f"{name} is not a Hugging Face model directory (no config.json)")
     return name
