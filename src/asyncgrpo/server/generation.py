@@ -60,8 +60,13 @@ class TextAssembler:
         self._pending += self._decode_new(final=False)
         return self._release(max(0, len(self._pending) - self.holdback))
 
-    def finish(self, stop_reason: str | int | None) -> str:
-        """Flush everything; cut at the stop string that ended the sample."""
+    def finish(self, token_ids: list[int], stop_reason: str | int | None) -> str:
+        """Add the last tokens and flush everything, cut at the stop string that ended the sample.
+
+        The last tokens must come here, not through `push`: `push` would release
+        the start of a stop string that only these tokens complete.
+        """
+        self.ids.extend(token_ids)
         self._pending += self._decode_new(final=True)
         if isinstance(stop_reason, str) and stop_reason:
             at = self._pending.find(stop_reason)
@@ -85,17 +90,19 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
-    def add(self, delta: TokenDelta) -> str:
-        """Record a delta; return its new text."""
+    def add(self, delta: TokenDelta, incremental: bool = True) -> str:
+        """Record a delta; return its new text (only at the end unless `incremental`)."""
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.versions += delta.versions
         self.top_logprobs += delta.top_logprobs or [[] for _ in delta.token_ids]
-        piece = self.text.push(delta.token_ids)
-        if delta.finish_reason is not None:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-            piece += self.text.finish(delta.stop_reason)
-        return piece
+        if delta.finish_reason is None:
+            return self.text.push(delta.token_ids) if incremental else ""
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        # not incremental: one decode per choice instead of two per token
+        return self.text.finish(
+            delta.token_ids if incremental else self.token_ids, delta.stop_reason
+        )
 
 
 class GenerationJob:
@@ -152,7 +159,9 @@ class GenerationJob:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices.values())
 
-    async def deltas(self) -> AsyncIterator[tuple[Choice, TokenDelta, str]]:
+    async def deltas(
+        self, incremental: bool = True
+    ) -> AsyncIterator[tuple[Choice, TokenDelta, str]]:
         """(choice, delta, new text) for every delta of every prompt, as they arrive."""
         streams = [
             self.engine.generate(prompt, self.params, request_id=f"{self.id}-{p}")
@@ -161,10 +170,11 @@ class GenerationJob:
         async with aclosing(_merge(streams)) as merged:
             async for p, delta in merged:
                 choice = self.choices[p * self.params.n + delta.index]
-                yield choice, delta, choice.add(delta)
+                yield choice, delta, choice.add(delta, incremental)
 
     async def run(self) -> list[Choice]:
-        async with aclosing(self.deltas()) as deltas:
+        """Generate to the end; text is decoded once per choice."""
+        async with aclosing(self.deltas(incremental=False)) as deltas:
             async for _ in deltas:
                 pass
         return [self.choices[i] for i in sorted(self.choices)]
