@@ -121,7 +121,7 @@ def test_bad_weight_updates_are_refused_and_change_nothing(server, tokenizer):
 
 
 async def _first_tokens(server, body):
-    """Start a streamed completion and return (task collecting it, event set at its first token)."""
+    """Start a streamed completion; return the task collecting it once its first token arrived."""
     import httpx
 
     first = asyncio.Event()
@@ -136,7 +136,7 @@ async def _first_tokens(server, body):
                     if not line.startswith("data: {"):
                         continue
                     choice = json.loads(line[6:])["choices"][0]
-                    out["ids"] += choice["token_ids"]
+                    out["ids"] += choice.get("token_ids", [])
                     out["versions"] += choice["weight_versions"]
                     out["finish"] = choice["finish_reason"] or out["finish"]
                     first.set()
@@ -194,5 +194,32 @@ def test_client_raises_4xx_with_the_server_message(server):
             with pytest.raises(EngineHTTPError) as info:
                 await client.pause("keep")  # no token given to this client
             assert info.value.status == 401
+
+    run(scenario())
+
+
+def test_chat_abort_requests_and_information_routes(server, tokenizer):
+    async def scenario():
+        async with EngineClient(server.base_url, admin_token=server.admin_token) as client:
+            chat = await client.chat([{"role": "user", "content": "Hi"}], n=2, max_tokens=5, seed=1)
+            assert len(chat.samples) == 2 and chat.prompt_token_ids
+            for s in chat.samples:
+                assert len(s.token_ids) == len(s.logprobs) == len(s.weight_versions) <= 5
+            task = await _first_tokens(
+                server,
+                {
+                    "prompt": tokenizer.encode("Hi"),
+                    "max_tokens": 450,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
+            assert await client.abort_requests() == 1
+            aborted = await task
+            assert aborted["finish"] == "abort" and 0 < len(aborted["ids"]) < 450
+            assert (await client.models())[0]["max_model_len"] == 512
+            assert await client.get_world_size() == 1
+            assert await client.weight_version() == (await client.server_info())["weight_version"]
+            await client.reset_prefix_cache()
 
     run(scenario())
