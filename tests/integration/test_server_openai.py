@@ -234,7 +234,7 @@ async def _wait_until(predicate, timeout=20.0):
 
 def test_client_disconnect_frees_the_slot(server, tokenizer):
     """The engine is paused (keep) while the client leaves: only the disconnect can free the slot."""
-    body = {"prompt": tokenizer.encode("Hello"), "max_tokens": 400, "ignore_eos": True}
+    body = {"prompt": tokenizer.encode("Hello"), "max_tokens": 500, "ignore_eos": True}
 
     async def scenario():
         async with EngineClient(server.base_url, admin_token=server.admin_token) as client:
