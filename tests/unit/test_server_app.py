@@ -6,6 +6,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from asyncgrpo.engine.engine import Engine
 from asyncgrpo.server import ServerSettings, create_app
 from asyncgrpo.transport.layout import plan_layout, write_image
 
@@ -37,6 +38,8 @@ class FakeEngine:
 
     def is_alive(self):
         return self.alive
+
+    check_request = Engine.check_request  # the real request checks, on the fake's limits
 
     def stats(self):
         return {"running": 0, "busy_seconds": 1.5}

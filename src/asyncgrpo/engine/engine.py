@@ -123,7 +123,13 @@ class Engine:
         model = model.to(self.compute_dtype).eval()  # bf16 values are exact in fp32
         model.requires_grad_(False)
         self.model = model
-        limit = getattr(model.config, "max_position_embeddings", 4096) or 4096
+        limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
+        if config.max_model_len and config.max_model_len > limit:
+            raise EngineError(
+                f"max_model_len={config.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}",
+                500,
+            )
         self.max_model_len = int(config.max_model_len or min(limit, 4096))
         self.model_name = config.model
         self.vocab_size = int(model.config.vocab_size)
@@ -211,7 +217,14 @@ class Engine:
             if finished < params.n:
                 self.abort(request.id)
 
-    def _make_request(self, prompt_ids, params: SamplingParams, request_id) -> _Request:
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise the EngineError `generate` would raise for this request, without running it.
+
+        The server calls it for every prompt before a response starts, so a bad
+        request is a clean 4xx and never a half-written stream.
+        """
+        if not self.is_alive():
+            raise EngineError("the engine is not running", 503)
         params.validate()
         if not prompt_ids:
             raise EngineError("prompt is empty")
@@ -224,6 +237,9 @@ class Engine:
             raise EngineError(f"prompt token ids must be in [0, {self.vocab_size})")
         if params.n > self.config.max_num_seqs:
             raise EngineError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+
+    def _make_request(self, prompt_ids, params: SamplingParams, request_id) -> _Request:
+        self.check_request(prompt_ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._live:
             raise EngineError(f"request id {rid!r} is already running", 409)
@@ -253,6 +269,7 @@ class Engine:
 
     async def pause(self, mode: PauseMode) -> None:
         mode = PauseMode(mode)
+        self._require_alive()
         done = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
 
@@ -310,11 +327,17 @@ class Engine:
 
     # ---- plumbing between threads ----------------------------------------------
 
+    def _require_alive(self) -> None:
+        # a command queued to a dead engine thread would never run: fail fast instead
+        if not self.is_alive():
+            raise EngineError("the engine is not running", 503)
+
     def _call(self, fn: Callable[[], None]) -> None:
         self._commands.put(fn)
         self._wake.set()
 
     async def _run_on_engine(self, fn: Callable[[], object]):
+        self._require_alive()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 

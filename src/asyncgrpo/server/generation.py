@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from asyncgrpo.engine.types import EngineError, SamplingParams, TokenDelta
+from asyncgrpo.engine.types import SamplingParams, TokenDelta
 
 
 class TextAssembler:
@@ -134,24 +134,8 @@ class GenerationJob:
 
     def check(self) -> None:
         """Refuse bad requests before any response starts (the engine checks again)."""
-        if not self.engine.is_alive():
-            raise EngineError("the engine is not running", 503)
-        self.params.validate()
-        limit = self.engine.max_model_len
         for prompt in self.prompts:
-            if not prompt:
-                raise EngineError("prompt is empty")
-            if len(prompt) + 1 > limit:
-                raise EngineError(
-                    f"prompt has {len(prompt)} tokens but max_model_len is {limit} "
-                    "(prompt + at least one generated token must fit)"
-                )
-            if min(prompt) < 0 or max(prompt) >= self.engine.vocab_size:
-                raise EngineError(f"prompt token ids must be in [0, {self.engine.vocab_size})")
-        if self.params.n > self.engine.config.max_num_seqs:
-            raise EngineError(
-                f"n={self.params.n} exceeds max_num_seqs={self.engine.config.max_num_seqs}"
-            )
+            self.engine.check_request(prompt, self.params)
 
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from asyncgrpo.rollout.types import Group
 from asyncgrpo.trainer.advantages import AdvantageConfig, compute_advantages
 from asyncgrpo.trainer.losses import LossConfig, LossInputs, compute_loss
 from asyncgrpo.trainer.packing import (
@@ -33,6 +31,8 @@ from asyncgrpo.trainer.packing import (
     pad_ragged,
     plan_micro_batches,
 )
+
+from asyncgrpo.rollout.types import Group
 
 
 @dataclass
