@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from asyncgrpo.rollout.types import Group
 from asyncgrpo.trainer.advantages import AdvantageConfig, compute_advantages
 from asyncgrpo.trainer.losses import LossConfig, LossInputs, compute_loss
 from asyncgrpo.trainer.packing import (
@@ -31,8 +33,6 @@ from asyncgrpo.trainer.packing import (
     pad_ragged,
     plan_micro_batches,
 )
-
-from asyncgrpo.rollout.types import Group
 
 
 @dataclass
