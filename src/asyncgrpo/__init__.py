@@ -7,3 +7,7 @@ the lag. See the README for the two commands that get you started.
 """
 
 __version__ = "0.1.0"
+
+from asyncgrpo.api import AsyncGRPOConfig, AsyncGRPOTrainer
+
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "__version__"]
