@@ -1,0 +1,1 @@
+"""Multi-turn agents: tool-call parsing, Python-function tools, token-exact trajectories."""
