@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint format bench clean
+.PHONY: demo test test-slow lint format bench bench-e2e clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py
+
+# asyncgrpo async vs sync vs TRL's GRPOTrainer on the default recipe (about 45 minutes)
+bench-e2e: $(STAMP)
+	$(BIN)/pip install -q trl==1.16.0
+	$(BIN)/python benchmarks/end_to_end.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,189 @@
+"""TRL's `GRPOTrainer` on the same recipe, for `end_to_end.py` to compare against.
+
+It reads an asyncgrpo recipe and maps it onto `GRPOConfig` field by field (group
+size, completion length, temperature, batch of completions per step, learning
+rate and schedule, clipping, aggregation, reward scaling; no KL, one
+optimizer step per generation batch, as asyncgrpo does). Held-out reward is
+measured the way asyncgrpo measures it — greedy completions of the eval rows,
+scored by the same reward functions — from a callback whose time is excluded
+from the training clock. It writes `metrics.jsonl` in asyncgrpo's format, so
+`asyncgrpo plot --compare` and `end_to_end.py` read all systems alike.
+
+Needs the `trl` package (`make bench-e2e` installs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe")
+    parser.add_argument("--out", required=True, help="run directory to write")
+    parser.add_argument("--budget-s", type=float, required=True, help="training wall-clock budget")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args(argv)
+
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from asyncgrpo.config import load_config
+    from asyncgrpo.models import resolve_model
+    from asyncgrpo.rollout.data import load_prompts, render_prompt
+    from asyncgrpo.rollout.rewards import RewardRunner
+
+    cfg = load_config(args.recipe, args.overrides)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = str(resolve_model(cfg.model.name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    train_rows, eval_rows = load_prompts(cfg.dataset, cfg.seed)
+    runner = RewardRunner(list(cfg.rewards))
+    reward_funcs = list(runner.funcs)
+    weights = cfg.advantage.reward_weights or [1.0] * len(reward_funcs)
+
+    metrics_file = (out / "metrics.jsonl").open("w")
+
+    def write(line: dict) -> None:
+        metrics_file.write(json.dumps(line) + "\n")
+        metrics_file.flush()
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        model.eval()
+        totals = []
+        for start in range(0, len(eval_rows), 16):
+            rows = [dict(r) for r in eval_rows[start : start + 16]]
+            prompts = [render_prompt(tokenizer, r["prompt"]) for r in rows]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            generated = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=cfg.rollout.max_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )[:, width:]
+            for row, gen in zip(rows, generated.tolist(), strict=True):
+                text = tokenizer.decode(gen, skip_special_tokens=True)
+                completion = (
+                    [{"role": "assistant", "content": text}]
+                    if isinstance(row["prompt"], list)
+                    else text
+                )
+                columns = {k: [v] for k, v in row.items() if k != "prompt"}
+                scores = [
+                    f(
+                        prompts=[row["prompt"]],
+                        completions=[completion],
+                        completion_ids=[gen],
+                        **columns,
+                    )[0]
+                    for f in reward_funcs
+                ]
+                totals.append(sum(w * s for w, s in zip(weights, scores) if s is not None))
+        model.train()
+        return float(sum(totals) / len(totals))
+
+    class Clock(TrainerCallback):
+        """Training wall-clock without evaluation; stops the run when the budget is spent."""
+
+        def __init__(self):
+            self.start = time.monotonic()
+            self.excluded = 0.0
+
+        def elapsed(self) -> float:
+            return time.monotonic() - self.start - self.excluded
+
+        def eval_now(self, step: int) -> None:
+            t0 = time.monotonic()
+            reward = evaluate()
+            self.excluded += time.monotonic() - t0
+            write(
+                {"kind": "eval", "step": step, "time_s": self.elapsed(), "eval_reward_mean": reward}
+            )
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.start = time.monotonic()
+            self.eval_now(0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                reward = logs.get("reward", logs.get("rewards/mean"))
+                write(
+                    {
+                        "kind": "train",
+                        "step": state.global_step,
+                        "time_s": self.elapsed(),
+                        "reward_mean": reward,
+                        "loss": logs.get("loss"),
+                    }
+                )
+
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step % cfg.eval_steps == 0:
+                self.eval_now(state.global_step)
+            if self.elapsed() >= args_budget:
+                control.should_training_stop = True
+
+    args_budget = args.budget_s
+    completions_per_step = cfg.coordinator.batch_groups * cfg.rollout.num_generations
+    trl_args = GRPOConfig(
+        output_dir=str(out / "trl"),
+        use_cpu=True,
+        bf16=False,
+        seed=cfg.seed,
+        max_steps=10**6,
+        learning_rate=cfg.trainer.learning_rate,
+        lr_scheduler_type=cfg.trainer.lr_schedule,
+        warmup_steps=cfg.trainer.warmup_steps,
+        max_grad_norm=cfg.trainer.max_grad_norm,
+        weight_decay=cfg.trainer.weight_decay,
+        per_device_train_batch_size=completions_per_step,
+        num_generations=cfg.rollout.num_generations,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=cfg.rollout.max_tokens,
+        temperature=cfg.rollout.temperature or 1.0,
+        top_p=cfg.rollout.top_p,
+        beta=0.0,
+        epsilon=cfg.loss.epsilon_low,
+        epsilon_high=cfg.loss.epsilon_high,
+        loss_type=cfg.loss.aggregation,
+        scale_rewards=cfg.advantage.scale_rewards,
+        reward_weights=cfg.advantage.reward_weights,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=trl_args,
+        train_dataset=datasets.Dataset.from_list([dict(r) for r in train_rows]),
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
+    trainer.train()
+    metrics_file.close()
+    runner.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
