@@ -1,0 +1,308 @@
+"""Padding-free training forward: many sequences in one row, prompts shared per group.
+
+GRPO trains on G completions of each prompt, with lengths that vary tenfold.
+Right-padding them into a (B, T) batch spends most of the compute on padding;
+here every micro-batch is one packed row of real tokens:
+
+- position ids restart at 0 for every sequence, and attention never crosses a
+  sequence boundary (block-diagonal causal);
+- shared prefix (default): consecutive or not, sequences with identical prompt
+  ids are laid out as the prompt ONCE followed by each completion; a completion
+  attends to the shared prompt plus its own earlier tokens, and its positions
+  continue from the prompt length. G·(P+C) tokens become P+G·C; by causality the
+  log-probs and gradients are those of the unshared sequences;
+- the last token of every sequence is never an input (it predicts nothing), and
+  the LM head runs only on rows that predict a completion token.
+
+Attention path. transformers 5 (`masking_utils._preprocess_mask_arguments`)
+passes a 4D `attention_mask` through untouched, so sdpa with a dense (N, N)
+block mask is correct — but it computes all N² scores of the packed row. The
+default instead registers an `AttentionInterface` function that receives the
+segment layout as a forward kwarg and calls sdpa once per segment (`is_causal`
+for a plain sequence; a small (C, P+C) mask for a completion behind a shared
+prompt), so the work is Σ Lᵢ² rather than N². The CPU has no flash-attn varlen
+kernel; this is its equivalent. `benchmarks/train_step_packing.py` measures both.
+Without the packing kwarg the function is plain sdpa, so the model keeps
+working for ordinary padded forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from asyncgrpo.trainer.logprobs import DEFAULT_CHUNK_ROWS, lm_head_token_logprobs
+
+ATTN_IMPLEMENTATION = "asyncgrpo_packed"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Query rows [start, end) of the packed row: causal among themselves, plus full
+    attention to the rows [prefix_start, prefix_end) of a shared prompt (if any)."""
+
+    start: int
+    end: int
+    prefix_start: int = 0
+    prefix_end: int = 0
+    mask: torch.Tensor | None = None  # (end-start, prefix+end-start) bool, only with a prefix
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N)
+    segments: tuple[Segment, ...]  # contiguous, in order, covering [0, N)
+    rows: torch.Tensor  # (M,) packed rows whose hidden state predicts a completion token
+    targets: torch.Tensor  # (M,) the completion token each row predicts
+    counts: list[int]  # completion tokens per input sequence (sum = M)
+
+    def block_mask(self) -> torch.Tensor:
+        """The equivalent dense boolean mask (1, 1, N, N); True = may attend."""
+        n = self.input_ids.shape[1]
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for seg in self.segments:
+            length = seg.end - seg.start
+            mask[seg.start : seg.end, seg.start : seg.end] = torch.ones(
+                length, length, dtype=torch.bool
+            ).tril()
+            mask[seg.start : seg.end, seg.prefix_start : seg.prefix_end] = True
+        return mask[None, None]
+
+
+@dataclass
+class PackedLogProbs:
+    logprobs: list[torch.Tensor]  # per sequence, (C_i,) fp32, log-prob of each completion token
+    entropy: list[torch.Tensor] | None  # per sequence, (C_i,) fp32
+
+
+def _prefix_causal_mask(length: int, prefix: int) -> torch.Tensor:
+    causal = torch.ones(length, length, dtype=torch.bool).tril()  # (C, C)
+    return torch.cat([torch.ones(length, prefix, dtype=torch.bool), causal], dim=1)
+
+
+def _prompt_groups(
+    seqs: Sequence[Sequence[int]], prompt_lengths: Sequence[int], share_prefix: bool
+) -> list[list[int]]:
+    """Indices grouped by identical prompt ids, in order of first appearance."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, (seq, p) in enumerate(zip(seqs, prompt_lengths, strict=True)):
+        if p < 1:
+            raise ValueError(f"prompt_lengths[{i}] is {p}: a completion needs a prompt token")
+        if p > len(seq):
+            raise ValueError(f"prompt_lengths[{i}] is {p}, longer than its sequence ({len(seq)})")
+        key = tuple(seq[:p]) if share_prefix else i
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def pack_sequences(
+    seqs: Sequence[Sequence[int]], prompt_lengths: Sequence[int], share_prefix: bool = True
+) -> PackedBatch:
+    """Lay sequences out in one row (see the module docstring); nothing is padded."""
+    ids: list[int] = []
+    positions: list[int] = []
+    segments: list[Segment] = []
+    rows: list[list[int]] = [[] for _ in seqs]
+
+    def append(tokens, first_position, prefix=(0, 0)) -> int:
+        start = len(ids)
+        ids.extend(tokens)
+        positions.extend(range(first_position, first_position + len(tokens)))
+        if tokens:
+            length, width = len(tokens), prefix[1] - prefix[0]
+            mask = _prefix_causal_mask(length, width) if width else None
+            segments.append(Segment(start, len(ids), *prefix, mask=mask))
+        return start
+
+    for group in _prompt_groups(seqs, prompt_lengths, share_prefix):
+        p = prompt_lengths[group[0]]
+        if len(group) == 1:
+            seq = list(seqs[group[0]])
+            if len(seq) == p:
+                continue
+            start = append(seq[:-1], 0)
+            rows[group[0]] = list(range(start + p - 1, start + len(seq) - 1))
+            continue
+        prompt_start = append(list(seqs[group[0]][:p]), 0)
+        prefix = (prompt_start, prompt_start + p)
+        for i in group:
+            completion = list(seqs[i][p:])
+            if not completion:
+                continue
+            start = append(completion[:-1], p, prefix)
+            rows[i] = [prompt_start + p - 1, *range(start, start + len(completion) - 1)]
+    targets = [t for seq, p in zip(seqs, prompt_lengths, strict=True) for t in seq[p:]]
+    return PackedBatch(
+        input_ids=torch.tensor([ids], dtype=torch.long),
+        position_ids=torch.tensor([positions], dtype=torch.long),
+        segments=tuple(segments),
+        rows=torch.tensor([r for seq_rows in rows for r in seq_rows], dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        counts=[len(r) for r in rows],
+    )
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (1, Hq, N, D)
+    key: torch.Tensor,  # (1, Hkv, N, D)
+    value: torch.Tensor,  # (1, Hkv, N, D)
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_segments: tuple[Segment, ...] | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """sdpa once per packed segment; plain transformers sdpa when not packing."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if packed_segments is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if query.shape[0] != 1:
+        raise ValueError("a packed forward takes a single row")
+    gqa = query.shape[1] != key.shape[1]
+    outputs = []
+    for seg in packed_segments:
+        k, v = key[:, :, seg.start : seg.end], value[:, :, seg.start : seg.end]
+        if seg.mask is not None:
+            k = torch.cat([key[:, :, seg.prefix_start : seg.prefix_end], k], dim=2)
+            v = torch.cat([value[:, :, seg.prefix_start : seg.prefix_end], v], dim=2)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, seg.start : seg.end],
+                k,
+                v,
+                attn_mask=seg.mask,
+                dropout_p=dropout,
+                is_causal=seg.mask is None,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+        )
+    out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]  # (1, Hq, N, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def enable_packed_attention(model) -> None:
+    """Register the packed attention function and select it on this HF model."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def packed_token_logprobs(
+    model,
+    seqs: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    share_prefix: bool = True,
+    attention: str = "segments",
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+) -> PackedLogProbs:
+    """Per-sequence log-probs (and entropies) of the completion tokens, one packed forward.
+
+    `attention="segments"` needs `enable_packed_attention(model)`; `"mask"` passes
+    the dense block mask and works with any 4D-mask implementation (sdpa, eager).
+    """
+    packed = pack_sequences(seqs, prompt_lengths, share_prefix)
+    forward = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+    if attention == "segments":
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise RuntimeError("call enable_packed_attention(model) before a packed forward")
+        # An all-ones 2D mask makes transformers skip mask building (sdpa is_causal path).
+        forward.update(
+            attention_mask=torch.ones_like(packed.input_ids), packed_segments=packed.segments
+        )
+    elif attention == "mask":
+        forward.update(attention_mask=packed.block_mask())
+    else:
+        raise ValueError(f"attention must be 'segments' or 'mask', not {attention!r}")
+    base = getattr(model, model.base_model_prefix)
+    hidden = base(**forward).last_hidden_state[0]  # (N, H)
+    logprobs, entropy = lm_head_token_logprobs(
+        hidden[packed.rows],  # (M, H)
+        model.get_output_embeddings(),
+        packed.targets,
+        temperature,
+        with_entropy,
+        chunk_rows,
+    )
+    return PackedLogProbs(
+        logprobs=list(logprobs.split(packed.counts)),
+        entropy=list(entropy.split(packed.counts)) if entropy is not None else None,
+    )
+
+
+def pad_ragged(
+    values: Sequence[torch.Tensor | Sequence[float]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D rows to (B, T); returns (padded, mask) as float tensors (mask 1 = real)."""
+    rows = [
+        v if isinstance(v, torch.Tensor) else torch.tensor(list(v), dtype=torch.float32)
+        for v in values
+    ]
+    rows = [r if r.is_floating_point() else r.float() for r in rows]
+    width = max((len(r) for r in rows), default=0)
+    if not rows:
+        return torch.zeros(0, 0), torch.zeros(0, 0)
+    padded = torch.stack([F.pad(r, (0, width - len(r))) for r in rows])  # (B, T)
+    mask = torch.zeros(len(rows), width, dtype=padded.dtype)  # (B, T)
+    for i, r in enumerate(rows):
+        mask[i, : len(r)] = 1.0
+    return padded, mask
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], token_budget: int, groups: Sequence[Hashable] | None = None
+) -> list[list[int]]:
+    """Split indices into micro-batches of at most `token_budget` tokens (first-fit decreasing).
+
+    A sequence longer than the budget goes alone. With `groups` (e.g. a prompt
+    id per sequence), members of a group stay together when the group fits the
+    budget, so a packed forward can share their prompt; an oversized group is cut
+    into consecutive runs that fit. Deterministic; indices ascending within a batch.
+    """
+    if token_budget < 1:
+        raise ValueError("token_budget must be >= 1")
+    units = _planning_units(lengths, token_budget, groups)
+    order = sorted(range(len(units)), key=lambda u: (-units[u][0], units[u][1][0]))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for u in order:
+        cost, members = units[u]
+        slot = next((b for b, free in enumerate(room) if cost <= free), None)
+        if slot is None:
+            bins.append([])
+            room.append(token_budget)
+            slot = len(bins) - 1
+        bins[slot].extend(members)
+        room[slot] -= cost
+    return [sorted(b) for b in bins]
+
+
+def _planning_units(lengths, token_budget, groups) -> list[tuple[int, list[int]]]:
+    if groups is None:
+        return [(length, [i]) for i, length in enumerate(lengths)]
+    by_key: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(groups):
+        by_key.setdefault(key, []).append(i)
+    units: list[tuple[int, list[int]]] = []
+    for members in by_key.values():
+        run: list[int] = []
+        for i in members:
+            if run and sum(lengths[j] for j in run) + lengths[i] > token_budget:
+                units.append((sum(lengths[j] for j in run), run))
+                run = []
+            run.append(i)
+        units.append((sum(lengths[j] for j in run), run))
+    return units

@@ -1,0 +1,186 @@
+"""Packed forwards (plain and shared-prefix) reproduce a padded HF forward, gradients included."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+from asyncgrpo.testing import build_tiny_llama
+from asyncgrpo.trainer.packing import (
+    enable_packed_attention,
+    pack_sequences,
+    packed_token_logprobs,
+    pad_ragged,
+    plan_micro_batches,
+)
+
+VOCAB = 300
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def models():
+    reference = build_tiny_llama(VOCAB, num_layers=2, seed=3)  # stock sdpa
+    packed = copy.deepcopy(reference)
+    enable_packed_attention(packed)
+    return reference, packed
+
+
+def grpo_like_batch():
+    """Two groups sharing prompts (one completion of a single token), and two loners."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(n):
+        return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+    p1, p2 = rand(9), rand(4)
+    seqs = [p1 + rand(6), p1 + rand(1), p1 + rand(11), rand(13), p2 + rand(3), p2 + rand(8)]
+    seqs.append(rand(5))
+    prompts = [9, 9, 9, 6, 4, 4, 2]
+    return seqs, prompts
+
+
+def padded_reference(model, seqs, prompts):
+    """Ordinary HF forward: right padding, one sequence per row, full log-softmax."""
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # (B, T)
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])  # (B, T)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits  # (B, T, V)
+    logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
+    logprobs, entropy = [], []
+    for row, (s, p) in enumerate(zip(seqs, prompts, strict=True)):
+        rows = logp[row, p - 1 : len(s) - 1]  # (C, V)
+        logprobs.append(rows.gather(1, torch.tensor(s[p:])[:, None]).squeeze(1))
+        entropy.append(-(rows.exp() * rows).sum(-1))
+    return logprobs, entropy
+
+
+def weighted_loss(logprobs, entropy):
+    g = torch.Generator().manual_seed(1)
+    total = 0.0
+    for lp, ent in zip(logprobs, entropy, strict=True):
+        total = total + (lp * torch.randn(len(lp), generator=g)).sum() + 0.1 * ent.sum()
+    return total
+
+
+def grads(model):
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize(
+    "share_prefix,attention", [(False, "segments"), (True, "segments"), (True, "mask")]
+)
+def test_packed_logprobs_entropy_and_gradients_match_padded_forward(
+    models, share_prefix, attention
+):
+    reference, packed = models
+    seqs, prompts = grpo_like_batch()
+    want_lp, want_ent = padded_reference(reference, seqs, prompts)
+    weighted_loss(want_lp, want_ent).backward()
+    want_grads = grads(reference)
+
+    out = packed_token_logprobs(
+        packed,
+        seqs,
+        prompt_lengths=prompts,
+        temperature=TEMPERATURE,
+        with_entropy=True,
+        share_prefix=share_prefix,
+        attention=attention,
+    )
+    assert [len(lp) for lp in out.logprobs] == [len(s) - p for s, p in zip(seqs, prompts)]
+    for got, want in zip(out.logprobs + out.entropy, want_lp + want_ent, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    weighted_loss(out.logprobs, out.entropy).backward()
+    got_grads = grads(packed)
+    assert got_grads.keys() == want_grads.keys()
+    for name, want in want_grads.items():
+        rel = (got_grads[name] - want).norm() / want.norm()
+        assert rel < 1e-5, f"{name}: relative gradient error {rel:.2e}"
+
+
+def test_model_with_packed_attention_still_runs_ordinary_padded_forwards(models):
+    reference, packed = models
+    seqs, prompts = grpo_like_batch()
+    with torch.no_grad():
+        for got, want in zip(
+            padded_reference(packed, seqs, prompts)[0],
+            padded_reference(reference, seqs, prompts)[0],
+            strict=True,
+        ):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_segment_attention_requires_enabling(models):
+    reference, _ = models
+    with pytest.raises(RuntimeError, match="enable_packed_attention"):
+        packed_token_logprobs(reference, [[1, 2, 3]], prompt_lengths=[1])
+
+
+def test_shared_prefix_layout_stores_the_prompt_once_and_continues_positions():
+    prompt = [5, 6, 7]
+    seqs = [prompt + [1, 2, 3], prompt + [4], prompt + [8, 9], [10, 11, 12]]
+    plain = pack_sequences(seqs, [3, 3, 3, 1], share_prefix=False)
+    shared = pack_sequences(seqs, [3, 3, 3, 1], share_prefix=True)
+    assert plain.input_ids.shape[1] == sum(len(s) - 1 for s in seqs)
+    # prompt once, each completion without its last token, the loner without its last token
+    assert shared.input_ids[0].tolist() == [5, 6, 7, 1, 2, 8, 10, 11]
+    assert shared.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3, 0, 1]
+    assert shared.counts == [3, 1, 2, 2]
+    assert shared.targets.tolist() == [1, 2, 3, 4, 8, 9, 11, 12]
+    # every completion's first token is predicted by the prompt's last row
+    assert shared.rows.tolist() == [2, 3, 4, 2, 2, 5, 6, 7]
+    mask = shared.block_mask()[0, 0]
+    assert mask[5].tolist() == [True, True, True, False, False, True, False, False]
+    assert not mask[6, :6].any() and mask[7, 6:].all()
+
+
+def test_prompt_lengths_are_validated():
+    with pytest.raises(ValueError, match="prompt_lengths\\[0\\]"):
+        pack_sequences([[1, 2]], [0])
+    with pytest.raises(ValueError, match="longer than its sequence"):
+        pack_sequences([[1, 2]], [3])
+
+
+def test_plan_micro_batches_respects_the_budget_and_covers_every_index_once():
+    rng = random.Random(0)
+    for _ in range(50):
+        lengths = [rng.randint(1, 400) for _ in range(rng.randint(1, 80))]
+        budget = rng.choice([256, 512, 1000])
+        plan = plan_micro_batches(lengths, budget)
+        assert sorted(i for batch in plan for i in batch) == list(range(len(lengths)))
+        for batch in plan:
+            assert len(batch) == 1 or sum(lengths[i] for i in batch) <= budget
+        fitting = sum(length for length in lengths if length <= budget)
+        oversized = sum(length > budget for length in lengths)
+        assert len(plan) <= oversized + 11 / 9 * (fitting / budget) + 2  # FFD bound
+        assert plan == plan_micro_batches(list(lengths), budget)  # deterministic
+
+
+def test_plan_micro_batches_packs_tightly_and_isolates_long_sequences():
+    assert plan_micro_batches([6, 4, 5, 5, 20], 10) == [[4], [0, 1], [2, 3]]
+    assert plan_micro_batches([], 10) == []
+
+
+def test_plan_micro_batches_keeps_groups_together_when_they_fit():
+    lengths = [3, 3, 3, 4, 4, 4, 9, 9]
+    groups = ["a", "a", "a", "b", "b", "b", "c", "c"]
+    plan = plan_micro_batches(lengths, 12, groups)
+    assert [0, 1, 2] in plan and [3, 4, 5] in plan  # groups a (9) and b (12) intact
+    assert sorted(i for batch in plan for i in batch) == list(range(8))
+    assert all(sum(lengths[i] for i in batch) <= 12 for batch in plan)
+
+
+def test_pad_ragged_pads_right_and_keeps_gradients():
+    a = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    padded, mask = pad_ragged([a, [4.0], torch.zeros(0)])
+    assert padded.tolist() == [[1, 2, 3], [4, 0, 0], [0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+    assert padded.dtype == mask.dtype == torch.float32
+    (padded * mask).sum().backward()
+    assert a.grad.tolist() == [1, 1, 1]
+    empty, empty_mask = pad_ragged([])
+    assert empty.shape == empty_mask.shape == (0, 0)
