@@ -210,8 +210,8 @@ def test_tool_turns_bridge_only_the_tool_results(tok, renders_tools):
     ]
     reply = {"role": "assistant", "content": None, "tool_calls": calls}
     text = "".join(
-        '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>' % c
-        for c in ("Oslo", "Rome")
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "' + city + '"}}</tool_call>'
+        for city in ("Oslo", "Rome")
     )
     completion1 = char_ids(tok, text) + encode(tok, "<|im_end|>")
     call1 = sampled_call(tok, user1, completion1, tools=tools, reply=reply)
