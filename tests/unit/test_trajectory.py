@@ -346,8 +346,11 @@ def test_stop_reasons_and_result():
     }
     assert StopReason("timeout").trainable and not StopReason.INFRA_ERROR.trainable
     assert not EpisodeResult(None, StopReason.OK, []).trainable
-    result = TrajectoryBuilder().result(0.5, "infra_error")
+    builder = TrajectoryBuilder()
+    result = builder.result(0.5, "infra_error")
     assert result.stop_reason is StopReason.INFRA_ERROR and not result.trainable
+    with pytest.raises(RuntimeError, match="closed"):
+        builder.add(Call([], [1], [2], [0.0], [0], "stop"))
 
 
 def test_call_rejects_misaligned_records():

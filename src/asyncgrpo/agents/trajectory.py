@@ -296,9 +296,12 @@ class TrajectoryBuilder:
         self.branches: list[_Branch] = []
         self.calls: list[Call] = []
         self.prompt_mismatches = 0
+        self.closed = False  # set by `result()`: a closed episode accepts no more calls
 
     def add(self, call: Call) -> int:
         """Record a call; return the index of the branch it extended or started."""
+        if self.closed:
+            raise RuntimeError("the episode is closed; refuse calls made after it ended")
         self.calls.append(call)
         for index in reversed(range(len(self.branches))):
             branch = self.branches[index]
@@ -360,6 +363,8 @@ class TrajectoryBuilder:
     def result(
         self, reward: float | None, stop_reason: StopReason | str, tool_failures: int = 0
     ) -> EpisodeResult:
+        """Close the episode and return its samples and metrics."""
+        self.closed = True
         samples = self.samples()
         metrics = EpisodeMetrics(
             turns=len(self.calls),
