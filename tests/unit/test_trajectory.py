@@ -270,6 +270,19 @@ def test_edited_reply_or_changed_tools_is_not_a_continuation(tok):
     assert builder.prompt_mismatches == 0
 
 
+def test_template_that_refuses_the_history_starts_a_branch_instead_of_failing(tok):
+    call1, messages2 = two_turns(tok)
+    builder = TrajectoryBuilder(tok)
+    builder.add(call1)
+    tok.chat_template = (
+        "{% if messages[-1].role == 'assistant' %}{{ raise_exception('no') }}{% endif %}"
+        + CHAT_TEMPLATE
+    )
+    reprompt = render_ids(tok, messages2)
+    assert builder.add(sampled_call(tok, messages2, encode(tok, "6"), prompt=reprompt)) == 1
+    assert builder.prompt_mismatches == 0
+
+
 def test_without_tokenizer_only_token_prefixes_extend(tok):
     call1, messages2 = two_turns(tok)
     call2 = sampled_call(tok, messages2, encode(tok, "6<|im_end|>"))

@@ -208,8 +208,11 @@ class ChatRenderer:
             {k: reply[k] for k in ("role", "content", "tool_calls") if reply.get(k) is not None},
         ]
         for head in (history, stand_in):
-            full = self.render(head + new, add_generation_prompt=True)
-            prefix = self.render(head, add_generation_prompt=False)
+            try:
+                full = self.render(head + new, add_generation_prompt=True)
+                prefix = self.render(head, add_generation_prompt=False)
+            except Exception:  # templates that refuse a history ending on the assistant
+                continue
             if full.startswith(prefix):
                 return full[len(prefix) :]
         return None
@@ -217,10 +220,13 @@ class ChatRenderer:
     def _turn_tail(self) -> str:
         """What the template writes after an assistant message's content (e.g. `<|im_end|>\\n`)."""
         marker = "\x00asyncgrpo-end-of-content\x00"
-        text = self.render(
-            [{"role": "user", "content": "."}, {"role": "assistant", "content": marker}],
-            add_generation_prompt=False,
-        )
+        try:
+            text = self.render(
+                [{"role": "user", "content": "."}, {"role": "assistant", "content": marker}],
+                add_generation_prompt=False,
+            )
+        except Exception:
+            return ""
         return text.split(marker, 1)[1] if marker in text else ""
 
 
