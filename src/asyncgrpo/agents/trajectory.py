@@ -138,21 +138,27 @@ def _arguments_as_mapping(call: dict[str, Any]) -> dict[str, Any]:
     return call
 
 
-_RENDERS_TOOLS: dict[tuple[int, str | None], bool] = {}
+_RENDERS_TOOLS: dict[str | None, bool] = {}  # by template text: the answer depends on it alone
 
 
 class ChatRenderer:
     """The chat template of a tokenizer, with the tool fallback when the template lacks tools."""
 
-    def __init__(self, tokenizer, tools=None, chat_template_kwargs=None, fallback=None):
+    def __init__(
+        self,
+        tokenizer,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        fallback: bool | None = None,  # None: when tools are given and the template ignores them
+    ):
         self.tokenizer = tokenizer
         self.tools = tools or None
         self.kwargs = chat_template_kwargs or {}
         if fallback is None and self.tools:
-            key = (id(tokenizer), tokenizer.chat_template)
-            if key not in _RENDERS_TOOLS:
-                _RENDERS_TOOLS[key] = template_renders_tools(tokenizer)
-            fallback = not _RENDERS_TOOLS[key]
+            template = tokenizer.chat_template
+            if template not in _RENDERS_TOOLS:
+                _RENDERS_TOOLS[template] = template_renders_tools(tokenizer)
+            fallback = not _RENDERS_TOOLS[template]
         self.fallback = bool(fallback)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
