@@ -6,7 +6,7 @@
                      train_dataset=ds, eval_dataset=held_out, args=args).train()
 
 `AsyncGRPOConfig` takes every field of the typed `RunConfig` by its own name
-when that name is unique across sections (`learning_rate`, `max_staleness`,
+when it is a top-level field (`name`, `seed`, `max_steps`) or unique across sections (`learning_rate`, `max_staleness`,
 `num_generations`, ...) or by its dotted path (`"engine.num_threads"`), and
 validates exactly like a YAML recipe, with the same did-you-mean errors.
 """
@@ -37,7 +37,10 @@ def _flat_fields() -> dict[str, str]:
 
     walk(RunConfig, "")
     counts = Counter(p.rsplit(".", 1)[-1] for p in paths)
-    return {p.rsplit(".", 1)[-1]: p for p in paths if counts[p.rsplit(".", 1)[-1]] == 1}
+    flat = {p.rsplit(".", 1)[-1]: p for p in paths if counts[p.rsplit(".", 1)[-1]] == 1}
+    # top-level fields keep their own name even when a section has a field of that name
+    flat.update({p: p for p in paths if "." not in p})
+    return flat
 
 
 def AsyncGRPOConfig(**kwargs: Any) -> RunConfig:  # noqa: N802 - reads like the class it builds
