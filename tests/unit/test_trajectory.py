@@ -369,3 +369,56 @@ def test_stop_reasons_and_result():
 def test_call_rejects_misaligned_records():
     with pytest.raises(ValueError, match="log-probs"):
         Call([], [1], [2, 3], [0.0], [0, 0], "stop")
+
+
+def test_engine_episode_log_probs_reproduce_on_the_training_sequence(tiny_model_dir):
+    """Three turns sampled by the real engine from a random model (so sampled BPE pieces
+    rarely re-encode to themselves): a forward pass over each sample reproduces the
+    engine's log-prob at every trained position, i.e. the trained context is exact."""
+    import asyncio
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncgrpo.engine.engine import Engine, EngineConfig
+    from asyncgrpo.engine.types import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4))
+    tok = engine.tokenizer
+    builder = TrajectoryBuilder(tok)
+    messages = [{"role": "user", "content": "What is 12 + 7?"}]
+    retokenized = 0
+
+    async def sample(prompt):
+        ids, logprobs, versions, finish = [], [], [], None
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=len(prompt))
+        async for delta in engine.generate(prompt, params):
+            ids += delta.token_ids
+            logprobs += delta.logprobs
+            versions += delta.versions
+            finish = delta.finish_reason or finish
+        return ids, logprobs, versions, finish
+
+    engine.start()
+    try:
+        for turn in range(3):
+            prompt = next_prompt_ids(builder, messages)
+            ids, logprobs, versions, finish = asyncio.run(sample(prompt))
+            text = tok.decode(ids, skip_special_tokens=True)
+            retokenized += encode(tok, text) != [i for i in ids if i != tok.eos_token_id]
+            reply = {"role": "assistant", "content": text}
+            builder.add(Call(messages, prompt, ids, logprobs, versions, finish, reply=reply))
+            messages = messages + [reply, {"role": "user", "content": f"And {turn} more?"}]
+    finally:
+        engine.shutdown()
+    assert retokenized > 0  # the premise: text round trips would have changed the ids
+    [sample_] = builder.samples()
+    assert builder.prompt_mismatches == 0
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([sample_.input_ids])).logits[0], dim=-1)
+    positions = sampled_positions(sample_)
+    assert len(positions) == sum(len(c.completion_ids) for c in builder.calls)
+    recomputed = [logp[t - 1, sample_.input_ids[t]].item() for t in positions]
+    expected = [sample_.logprobs[t] for t in positions]
+    assert recomputed == pytest.approx(expected, abs=1e-4)
