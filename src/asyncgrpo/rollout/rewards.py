@@ -1,0 +1,208 @@
+"""Reward functions with TRL's signature, resolved by name and run without blocking the loop.
+
+A reward function is `f(prompts, completions, completion_ids, **columns) ->
+list[float | None]`, as in TRL: for one group of `n` completions, `prompts` is
+the row's prompt repeated `n` times, `completions` the decoded texts,
+`completion_ids` the sampled token ids, and every other column of the row comes
+as a keyword argument repeated `n` times. As in TRL, a conversational prompt
+(a list of messages) gets conversational completions,
+`[{"role": "assistant", "content": text}]`; a plain-text prompt gets strings.
+
+`RewardRunner` resolves each entry of `rewards:` — a Python callable, a
+built-in name from `asyncgrpo.tasks`, or a dotted path `package.module:function`
+— once, at start-up, so a typo fails before the engine starts. Per group, all
+functions run concurrently: `async def` ones are awaited on the rollout loop,
+plain ones run in a small thread pool (a slow verifier never stalls
+generation). Outputs are checked: one finite number or None per completion; NaN
+means None ("no opinion", masked by the advantage computation). Anything else —
+a wrong length, a string, an exception — raises `RewardError` naming the
+function, with the original exception chained; the orchestrator counts it and
+drops the group (`rollout.reward_error_policy: drop_group`) or stops the run
+(`abort`). It is never turned into a reward of 0 (REFERENCE.md, bug 15).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import functools
+import importlib
+import inspect
+import math
+import numbers
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from asyncgrpo.rollout.orchestrator import RewardFailure
+
+
+class RewardError(RewardFailure):
+    """A reward function raised or returned something unusable for a group."""
+
+
+class RewardSpecError(ValueError):
+    """A `rewards:` entry that does not name a usable function."""
+
+
+# ---- resolution ------------------------------------------------------------------------
+
+
+def resolve_reward(entry: Any) -> Callable:
+    """A callable for a `rewards:` entry: callable, built-in name, or `pkg.module:function`."""
+    if callable(entry):
+        return entry
+    if not isinstance(entry, str) or not entry.strip():
+        raise RewardSpecError(f"reward function entry {entry!r} is neither a callable nor a name")
+    from asyncgrpo.tasks import REWARDS
+
+    name = entry.strip()
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name or "." in name:
+        return _import_path(name)
+    close = difflib.get_close_matches(name, list(REWARDS), n=1)
+    hint = f"did you mean '{close[0]}'?" if close else f"built-in: {', '.join(sorted(REWARDS))}"
+    raise RewardSpecError(
+        f"unknown reward function '{name}'; {hint} "
+        "(or give a dotted path 'package.module:function')"
+    )
+
+
+def _import_path(path: str) -> Callable:
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr:
+        raise RewardSpecError(f"reward function '{path}': expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise RewardSpecError(
+            f"reward function '{path}': cannot import module '{module_name}' "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            names = [n for n in dir(target) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise RewardSpecError(
+                f"reward function '{path}': '{module_name}' has no attribute '{part}'{hint}"
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise RewardSpecError(
+            f"reward function '{path}' is a {type(target).__name__}, not callable"
+        )
+    return target
+
+
+def reward_name(func: Callable) -> str:
+    """The name metrics use (`reward/<name>`): `__name__`, or the class of a callable object."""
+    inner = func.func if isinstance(func, functools.partial) else func
+    return getattr(inner, "__name__", None) or type(inner).__name__
+
+
+def _is_async(func: Callable) -> bool:
+    inner = func.func if isinstance(func, functools.partial) else func
+    return inspect.iscoroutinefunction(inner) or inspect.iscoroutinefunction(
+        getattr(inner, "__call__", None)  # noqa: B004 - an object whose __call__ is async
+    )
+
+
+# ---- running ---------------------------------------------------------------------------
+
+
+class RewardRunner:
+    """Scores groups with a fixed list of reward functions (see the module docstring)."""
+
+    def __init__(self, funcs: Sequence[Any], max_workers: int = 4):
+        if isinstance(funcs, str | bytes) or callable(funcs):
+            funcs = [funcs]
+        self.funcs = [resolve_reward(f) for f in funcs]
+        if not self.funcs:
+            raise RewardSpecError("no reward functions given")
+        self.names: list[str] = []
+        seen: Counter[str] = Counter()
+        for f in self.funcs:  # unique names, so two functions never write the same metric
+            name = reward_name(f)
+            seen[name] += 1
+            self.names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
+
+    async def score_group(
+        self, row: dict, texts: list[str], completion_ids: list[list[int]]
+    ) -> list[list[float | None]]:
+        """One list per reward function, each with a float or None per completion."""
+        n = len(texts)
+        prompt = row["prompt"]
+        conversational = isinstance(prompt, list)
+        completions = (
+            [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        )
+        columns = {k: [v] * n for k, v in row.items() if k != "prompt"}
+        kwargs = dict(
+            prompts=[prompt] * n,
+            completions=completions,
+            completion_ids=completion_ids,
+            **columns,
+        )
+        results = await asyncio.gather(
+            *[self._call(f, kwargs) for f in self.funcs], return_exceptions=True
+        )
+        out = []
+        for name, result in zip(self.names, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                raise RewardError(
+                    f"reward function '{name}' raised {type(result).__name__}: {result}"
+                ) from result
+            out.append(check_scores(name, result, n))
+        return out
+
+    async def _call(self, func: Callable, kwargs: dict) -> Any:
+        if _is_async(func):
+            return await func(**kwargs)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._pool, functools.partial(func, **kwargs))
+        if inspect.isawaitable(result):  # a plain function that returned a coroutine
+            result = await result
+        return result
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_scores(name: str, result: Any, n: int) -> list[float | None]:
+    """`result` as n floats-or-None; NaN becomes None; anything else is a RewardError."""
+    if hasattr(result, "tolist") and not isinstance(result, list):
+        result = result.tolist()  # numpy array or tensor
+    if isinstance(result, str | bytes | dict) or not isinstance(result, Sequence):
+        raise RewardError(
+            f"reward function '{name}' returned {type(result).__name__}; "
+            f"expected a list of {n} numbers (one per completion)"
+        )
+    if len(result) != n:
+        raise RewardError(
+            f"reward function '{name}' returned {len(result)} scores for {n} completions"
+        )
+    scores: list[float | None] = []
+    for i, value in enumerate(result):
+        if value is None:
+            scores.append(None)
+            continue
+        if not isinstance(value, numbers.Real):
+            raise RewardError(
+                f"reward function '{name}' returned {value!r} for completion {i}; "
+                "expected a number or None"
+            )
+        value = float(value)
+        if math.isnan(value):
+            scores.append(None)
+        elif math.isinf(value):
+            raise RewardError(f"reward function '{name}' returned {value} for completion {i}")
+        else:
+            scores.append(value)
+    return scores
