@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 
-from asyncgrpo.server import control_routes, openai_routes
+from asyncgrpo.agents.toolcalls import get_parser
+from asyncgrpo.server import control_routes, episodes, openai_routes
 from asyncgrpo.server.errors import install_error_handlers
 from asyncgrpo.server.limits import BodyLimitMiddleware
 from asyncgrpo.server.weights import WeightReceiver
@@ -35,6 +36,14 @@ class ServerSettings:
     """Largest request body on every route but the weight upload (413 beyond)."""
     max_weight_body_bytes: int = 4096 * MiB
     """Largest body of POST /update_weights (the `http` backend sends weights in it)."""
+    tool_parser: str = "hermes"
+    """How tool calls are read out of generated text (`asyncgrpo.agents.toolcalls` registry)."""
+    max_open_episodes: int = 1024
+    """Agent episodes open at once; opening one more is refused (503) until some close."""
+    episode_idle_timeout_s: float = 900.0
+    """An episode with no call for this long is closed (its samples are dropped)."""
+    max_episode_turns: int = 1000
+    """Calls one episode may make, whatever the episode asked for when it was opened."""
 
 
 def create_app(engine, settings: ServerSettings | None = None) -> FastAPI:
@@ -53,9 +62,15 @@ def create_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.weights = WeightReceiver(engine)
     app.state.started = int(time.time())
+    app.state.tool_parser = get_parser(settings.tool_parser)
+    app.state.episodes = episodes.EpisodeRegistry(
+        settings.max_open_episodes, settings.episode_idle_timeout_s, settings.max_episode_turns
+    )
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(control_routes.router)
+    app.include_router(episodes.admin_router)
+    app.include_router(episodes.router)
     app.add_middleware(
         BodyLimitMiddleware,
         default_limit=settings.max_body_bytes,

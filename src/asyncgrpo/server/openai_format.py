@@ -6,12 +6,18 @@ and the completions shape (`tokens`, `token_logprobs`, `top_logprobs`,
 `text_offset`); `token_ids`/`prompt_token_ids` when `return_token_ids` is set
 (chat: prompt ids at the top level; completions: per choice, as vLLM does);
 `stop_reason` as in vLLM; and our `weight_versions`, one per generated token.
+
+Tool calls parsed out of the generated text become the message's `tool_calls`
+(finish reason `tool_calls`, as vLLM reports it); a stream of such a response is
+the finished response cut into chunks (`chunks_of`), since a half-generated
+call cannot be shown.
 """
 
 from __future__ import annotations
 
 import time
 
+from asyncgrpo.agents.toolcalls import ParseResult
 from asyncgrpo.server.generation import Choice
 
 
@@ -82,20 +88,56 @@ def envelope(
     }
 
 
-def chat_choice(c: Choice, token_text: TokenText, with_logprobs: bool, with_ids: bool) -> dict:
+def chat_choice(
+    c: Choice,
+    token_text: TokenText,
+    with_logprobs: bool,
+    with_ids: bool,
+    parsed: ParseResult | None = None,
+) -> dict:
+    """`parsed`: the text split into content and tool calls (None: no tools requested)."""
+    message = {"role": "assistant", "content": c.text.text}
+    finish_reason = c.finish_reason
+    if parsed is not None and parsed.tool_calls:
+        message["content"] = parsed.content
+        message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+        finish_reason = "tool_calls"
     choice = {
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text.text},
+        "message": message,
         "logprobs": chat_logprobs(token_text, c.token_ids, c.logprobs, c.top_logprobs)
         if with_logprobs
         else None,
-        "finish_reason": c.finish_reason,
+        "finish_reason": finish_reason,
         "stop_reason": c.stop_reason,
         "weight_versions": c.versions,
     }
     if with_ids:
         choice["token_ids"] = c.token_ids
     return choice
+
+
+def chunks_of(response: dict, include_usage: bool) -> list[dict]:
+    """A finished `chat.completion` as the chunks of a stream: one per choice, then usage."""
+    kind = "chat.completion.chunk"
+    out = []
+    for position, choice in enumerate(response["choices"]):
+        message = choice["message"]
+        delta = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [
+                {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+            ]
+        entry = {k: v for k, v in choice.items() if k != "message"}
+        chunk = envelope(response["id"], kind, response["model"], [{**entry, "delta": delta}])
+        if position == 0 and "prompt_token_ids" in response:
+            chunk["prompt_token_ids"] = response["prompt_token_ids"]
+        out.append(chunk)
+    if include_usage:
+        final = envelope(response["id"], kind, response["model"], [])
+        final["usage"] = response["usage"]
+        out.append(final)
+    return out
 
 
 def completion_choice(

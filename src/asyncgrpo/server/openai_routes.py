@@ -4,6 +4,12 @@ These routes are open (no token): they are what any `openai` client, agent
 framework or benchmark talks to. The server binds to 127.0.0.1 unless told
 otherwise. Bad requests are refused before a stream starts, so a client gets a
 plain JSON 400 rather than a broken stream.
+
+A chat request with `tools` is rendered by `ChatRenderer` (the template's own
+tool rendering, or the system-message fallback for templates without it), and
+tool calls are parsed out of the generated text with the configured parser
+(`ServerSettings.tool_parser`). Such a request, when streamed, is generated to
+the end and then sent as chunks: a half-written call cannot be parsed.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from asyncgrpo.agents.trajectory import ChatRenderer
 from asyncgrpo.engine.types import EngineError
 from asyncgrpo.server import openai_format as fmt
 from asyncgrpo.server.errors import error_body
@@ -71,11 +78,65 @@ async def models(request: Request):
     }
 
 
+def chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The prompt of a chat request; with `tools`, rendered with the fallback where needed."""
+    if not body.tools or body.continue_final_message or not body.add_generation_prompt:
+        return render_chat(tokenizer, body)
+    messages = [m.for_template() for m in body.messages]
+    try:
+        renderer = ChatRenderer(tokenizer, body.tools, body.chat_template_kwargs)
+        return renderer.prompt_ids(messages)
+    except Exception as exc:  # jinja errors, templates that raise on bad roles, ...
+        raise EngineError(f"cannot render the chat template: {exc}") from None
+
+
+def parse_tool_calls(request: Request, body: ChatCompletionRequest, text: str, id_seed: str):
+    """The text split into content and tool calls, or None when the request has no tools."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return request.app.state.tool_parser.parse(text, tools=body.tools, id_seed=id_seed)
+
+
+def chat_response(
+    request: Request, body: ChatCompletionRequest, job: GenerationJob, choices, prompt, parsed=None
+) -> dict:
+    """The `chat.completion` body for finished choices; `parsed`: their tool calls, if known."""
+    if parsed is None:
+        parsed = [
+            parse_tool_calls(request, body, c.text.text, f"{job.id}-{c.index}") for c in choices
+        ]
+    token_text = fmt.TokenText(request.app.state.engine.tokenizer)
+    response = fmt.envelope(
+        job.id,
+        "chat.completion",
+        served_name(request),
+        [
+            fmt.chat_choice(c, token_text, body.logprobs, body.return_token_ids, p)
+            for c, p in zip(choices, parsed)
+        ],
+    )
+    response["usage"] = fmt.usage(job.prompt_tokens(), job.completion_tokens())
+    if body.return_token_ids:
+        response["prompt_token_ids"] = prompt
+    return response
+
+
+def stream_of(response: dict, include_usage: bool) -> EventStream:
+    """A finished response sent as a stream (for requests whose output must be parsed whole)."""
+
+    async def events():
+        for chunk in fmt.chunks_of(response, include_usage):
+            yield sse(chunk)
+        yield sse("[DONE]")
+
+    return EventStream(events())
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     engine = request.app.state.engine
     check_model(request, body.model)
-    prompt = render_chat(engine.tokenizer, body)
+    prompt = chat_prompt_ids(engine.tokenizer, body)
     max_tokens = body.requested_max_tokens() or max(1, engine.max_model_len - len(prompt))
     params = body.sampling_params(max_tokens, body.top_logprobs_count())
     job = GenerationJob(
@@ -88,22 +149,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     )
     job.check()
     token_text = fmt.TokenText(engine.tokenizer)
-    if body.stream:
+    if body.stream and not body.tools:
         return EventStream(_chat_events(job, body, served_name(request), token_text))
     try:
         choices = await cancel_on_disconnect(request, job.run())
     except ClientDisconnected:
         return Response(status_code=499)
-    response = fmt.envelope(
-        job.id,
-        "chat.completion",
-        served_name(request),
-        [fmt.chat_choice(c, token_text, body.logprobs, body.return_token_ids) for c in choices],
-    )
-    response["usage"] = fmt.usage(job.prompt_tokens(), job.completion_tokens())
-    if body.return_token_ids:
-        response["prompt_token_ids"] = prompt
-    return response
+    response = chat_response(request, body, job, choices, prompt)
+    return stream_of(response, body.include_usage) if body.stream else response
 
 
 def _chat_events(job: GenerationJob, body: ChatCompletionRequest, model: str, token_text):
