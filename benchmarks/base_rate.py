@@ -13,8 +13,9 @@ one (what the run's evaluation measures), and reports:
 
     .venv/bin/python benchmarks/base_rate.py --tasks arithmetic word_count repeat_word
 
-The prompts are the held-out rows `load_prompts` gives a recipe with the same
-seed and eval_size, so the numbers describe what the run evaluates.
+The prompts are held out as `load_prompts` holds them out for a recipe
+(`size: 1000`, `eval_size: --prompts`); with `--prompts 16` and the recipe's
+seed they are exactly the prompts the run evaluates on.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from asyncgrpo.engine.types import SamplingParams
 from asyncgrpo.rollout.data import load_prompts, render_prompt
 from asyncgrpo.rollout.rewards import RewardRunner
 
+# the rewards and max_tokens of each task's recipe (recipes/*.yaml)
 DEFAULT_REWARDS = {
-    "arithmetic": ["arithmetic_reward", "number_only_reward"],
     "word_count": ["word_count_reward"],
+    "arithmetic": ["short_arithmetic_reward"],
     "repeat_word": ["repeat_word_reward"],
 }
+DEFAULT_MAX_TOKENS = {"word_count": 24, "arithmetic": 16, "repeat_word": 16}
 
 
 @dataclass
@@ -54,16 +57,17 @@ async def sample(engine: Engine, prompt_ids: list[int], params: SamplingParams) 
 
 
 async def measure_task(engine, tokenizer, task: str, args) -> dict:
-    spec = {"builtin": task, "size": 1, "eval_size": args.prompts}
+    spec = {"builtin": task, "size": 1000, "eval_size": args.prompts}
     _, rows = load_prompts(spec, args.seed)
-    runner = RewardRunner(args.rewards or DEFAULT_REWARDS[task])
+    runner = RewardRunner(args.rewards or DEFAULT_REWARDS.get(task, []))
     n = args.num_generations
+    max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS.get(task, 24)
 
     async def one(i: int, row: dict):
         ids = render_prompt(tokenizer, row["prompt"])
-        hot = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, n=n)
+        hot = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, n=n)
         hot.seed = args.seed * 100_003 + i
-        greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, n=1)
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, n=1)
         samples, (best,) = await asyncio.gather(
             sample(engine, ids, hot), sample(engine, ids, greedy)
         )
@@ -99,6 +103,7 @@ async def measure_task(engine, tokenizer, task: str, args) -> dict:
         "task": task,
         "rewards": runner.names,
         "prompts": len(rows),
+        "max_tokens": max_tokens,
         "prompt_tokens": statistics.mean(r[0] for r in results),
         "sampled_reward": statistics.mean(combined),
         "sampled_per_function": {k: statistics.mean(v) for k, v in per_fn.items()},
@@ -149,7 +154,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--prompts", type=int, default=32, help="held-out prompts per task")
     parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=None, help="default: the recipe's")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -159,12 +164,12 @@ def main() -> None:
     results = asyncio.run(main_async(args))
     print(
         f"\n{'task':<12} {'sampled':>8} {'greedy':>7} {'var groups':>10} "
-        f"{'compl tok':>9} {'cut':>5} {'prompt tok':>10}"
+        f"{'compl tok':>9} {'max tok':>7} {'cut':>5} {'prompt tok':>10}"
     )
     for r in results:
         print(
             f"{r['task']:<12} {r['sampled_reward']:>8.3f} {r['greedy_reward']:>7.3f} "
-            f"{r['groups_with_variance']:>10.0%} {r['completion_tokens']:>9.1f} "
+            f"{r['groups_with_variance']:>10.0%} {r['completion_tokens']:>9.1f} {r['max_tokens']:>7} "
             f"{r['cut_at_max_tokens']:>5.0%} {r['prompt_tokens']:>10.1f}"
         )
     for r in results:

@@ -1,7 +1,13 @@
-"""Built-in tasks: deterministic generators, and rewards checked by hand on examples."""
+"""Built-in tasks: deterministic generators, rewards checked by hand, recipes that load."""
+
+import asyncio
+from pathlib import Path
 
 import pytest
 
+from asyncgrpo.config import load_config
+from asyncgrpo.rollout.data import load_prompts
+from asyncgrpo.rollout.rewards import RewardRunner
 from asyncgrpo.tasks import REWARDS, TASKS, get_reward, make_rows
 from asyncgrpo.tasks.arithmetic import (
     arithmetic_reward,
@@ -83,9 +89,12 @@ def test_repeat_word_reward_by_hand():
         "Apple, apple, apple!",
         "apple apple",
         "I say apple apple apple",
+        "apple " * 6,
+        "Apples are red.",
+        "",
     ]
-    got = repeat_word_reward(None, replies, word=["apple"] * 4, times=[3] * 4)
-    assert got == [1.0, 1.0, 0.0, 0.5]
+    got = repeat_word_reward(None, replies, word=["apple"] * 7, times=[3] * 7)
+    assert got == pytest.approx([1.0, 1.0, 2 / 3, 0.5, 0.0, 0.0, 0.0])
 
 
 def test_reward_registry_names_are_function_names():
@@ -93,3 +102,22 @@ def test_reward_registry_names_are_function_names():
     assert get_reward("word_count_reward") is word_count_reward
     with pytest.raises(KeyError, match="did you mean 'repeat_word_reward'"):
         get_reward("repeat_words_reward")
+
+
+RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipes_validate_and_their_data_and_rewards_resolve(recipe):
+    cfg = load_config(recipe)
+    train, held = load_prompts(cfg.dataset, cfg.seed)
+    assert train and held, "every shipped recipe evaluates on held-out prompts"
+    assert len(held) <= 32, "evaluation must stay quick on a CPU"
+    runner = RewardRunner(cfg.rewards)
+    scores = asyncio.run(runner.score_group(train[0], ["a reply"] * 2, [[1], [2]]))
+    assert len(scores) == len(cfg.rewards) and all(len(s) == 2 for s in scores)
+    runner.close()
+
+
+def test_the_default_and_demo_recipes_exist():
+    assert {"default", "demo"} <= {p.stem for p in RECIPES}

@@ -1,7 +1,10 @@
-"""Instruction following: "Repeat the word 'apple' exactly 3 times."
+"""Instruction following: "Write the word apple three times, separated by spaces."
 
-Rewards the exact output ("apple apple apple", any case or punctuation) and gives
-half credit when the word appears the right number of times among other words.
+Full reward for the exact output ("apple apple apple", any case or punctuation),
+partial credit for the right word at a near count. SmolLM2-135M-Instruct is
+poor at this (it explains the word instead of repeating it; the exact output
+comes in ~1-3% of samples), so it is the hard task of the three: useful to
+see whether a longer run or a lower temperature finds the behaviour.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def repeat_word_rows(count: int, seed: int, min_times: int = 2, max_times: int =
     return [
         {
             "prompt": user_prompt(
-                f"Repeat the word '{word}' exactly {_NUMBERS[times]} times and nothing else."
+                f"Write the word {word} {_NUMBERS[times]} times, separated by spaces."
             ),
             "word": word,
             "times": times,
@@ -38,13 +41,13 @@ def repeat_word_rows(count: int, seed: int, min_times: int = 2, max_times: int =
 
 
 def repeat_word_reward(prompts, completions, completion_ids=None, *, word, times, **columns):
-    """1.0: the reply is the word exactly `times` times and nothing else; 0.5: the word
-    appears exactly `times` times among other words; 0.0 otherwise."""
+    """1.0 for exactly the word `times` times and nothing else. Otherwise partial credit:
+    closeness of the word's count to `times` (1 - |count - times| / times, floored at 0),
+    halved when other words are present; 0.0 when the word is missing. Dense on purpose:
+    the base model almost never gets the exact output (base rates in the module docstring)."""
     scores = []
     for completion, w, k in zip(completions, word, times, strict=True):
-        found = words(completion_text(completion))
-        if found == [w] * int(k):
-            scores.append(1.0)
-        else:
-            scores.append(0.5 if found.count(w) == int(k) else 0.0)
+        found, k = words(completion_text(completion)), int(k)
+        closeness = max(0.0, 1.0 - abs(found.count(w) - k) / k) if w in found else 0.0
+        scores.append(closeness if all(x == w for x in found) else 0.5 * closeness)
     return scores

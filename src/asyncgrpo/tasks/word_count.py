@@ -1,4 +1,4 @@
-"""Length control: "Write a sentence about cats in exactly 4 words."
+"""Length control: "Describe cats in exactly 4 words."
 
 A dense reward (closeness to the requested word count) gives almost every group
 some variance, so every step has signal; what it teaches — stopping on time —
@@ -28,7 +28,7 @@ def word_count_rows(count: int, seed: int, min_words: int = 3, max_words: int = 
     random.Random(seed).shuffle(space)
     return [
         {
-            "prompt": user_prompt(f"Write a sentence about {topic} in exactly {n} words."),
+            "prompt": user_prompt(f"Describe {topic} in exactly {n} words."),
             "num_words": n,
             "task": "word_count",
         }
