@@ -7,12 +7,27 @@ mode refuses two test modules with the same basename.)
 from __future__ import annotations
 
 import asyncio
+import sys
+import threading
+import time
 from collections import deque
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from asyncgrpo.agents.runner import (
+    LLM,
+    Result,
+    environment_rollout,
+    reward_scope,
+    run_episode,
+    run_subprocess_episode,
+    tool_loop,
+)
+from asyncgrpo.agents.tools import ToolBox
+from asyncgrpo.agents.trajectory import StopReason
+from asyncgrpo.client import EngineClient
 from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.types import EngineError, TokenDelta
 from asyncgrpo.server import ServerSettings, create_app
@@ -348,3 +363,186 @@ def test_plain_chat_route_parses_tool_calls_with_the_fallback(tokenizer):
         assert "Add two integers." in tokenizer.decode(engine.prompts[0])
         none = client.post("/v1/chat/completions", json={**body, "tool_choice": "none"}).json()
         assert none["choices"][0]["message"]["content"] == CALL
+
+
+# ---- the runner, against the gateway served over real HTTP ----
+
+
+class ServerThread:
+    """A uvicorn server in a thread of this process (the official openai client needs HTTP)."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        from asyncgrpo.engine.process import free_port
+
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return a + b
+
+
+@pytest.fixture
+def scripted(tokenizer):
+    engine = ScriptedEngine(tokenizer)
+    with ServerThread(make_app(engine)) as url:
+        yield engine, url
+
+
+def run(coro_fn, url, *args, **kwargs):
+    async def scenario():
+        async with EngineClient(url, admin_token="s3cret") as client:
+            return await coro_fn(client, *args, **kwargs)
+
+    return asyncio.run(scenario())
+
+
+def test_run_episode_with_tool_loop_returns_exact_samples(scripted):
+    engine, url = scripted
+    engine.replies.extend([CALL, CALL.replace('"b": 3', '"b": "x"'), "The answer is 5."])
+    toolbox = ToolBox([add])
+
+    async def rollout(task, llm):
+        done = await tool_loop(llm, [{"role": "user", "content": task["question"]}], toolbox)
+        return Result(float("5" in done.final["content"]), tool_failures=done.tool_failures)
+
+    outcome = run(run_episode, url, rollout, {"question": "What is 2 + 3?"}, max_turns=5)
+    assert outcome.stop_reason == StopReason.OK and outcome.reward == 1.0 and outcome.error is None
+    assert outcome.metrics.turns == 3 and outcome.metrics.tool_calls == 2
+    assert outcome.metrics.tool_failures == 1 and outcome.metrics.branches == 1
+    [sample] = outcome.samples
+    # each prompt the engine saw extends the previous one: one sequence, exact ids
+    for earlier, later in zip(engine.prompts, engine.prompts[1:]):
+        assert later[: len(earlier)] == earlier
+    completion = engine.char_ids("The answer is 5.") + [tokenizer_eos(engine)]
+    assert sample.input_ids == engine.prompts[-1] + completion
+    sampled = [sample.input_ids[t] for t, m in enumerate(sample.loss_mask) if m]
+    eos = [tokenizer_eos(engine)]
+    wrong = CALL.replace('"b": 3', '"b": "x"')
+    assert sampled == engine.char_ids(CALL) + eos + engine.char_ids(wrong) + eos + completion
+    assert toolbox.errors == {"wrong_type": 1}
+
+
+def tokenizer_eos(engine):
+    return engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_run_episode_maps_failures_to_stop_reasons(scripted):
+    engine, url = scripted
+
+    async def slow(task, llm):
+        await asyncio.sleep(5)
+        return 1.0
+
+    async def reward_bug(task, llm):
+        async with llm.client() as oai:
+            await oai.chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": "Hi"}]
+            )
+        with reward_scope():
+            return 1 / 0
+
+    async def agent_bug(task, llm):
+        raise KeyError("oops")
+
+    async def unreachable(task, llm):
+        dead = LLM("http://127.0.0.1:9/v1", llm.api_key, llm.model, max_retries=0)
+        async with dead.client() as oai:
+            await oai.chat.completions.create(
+                model=dead.model, messages=[{"role": "user", "content": "Hi"}]
+            )
+
+    async def too_many_turns(task, llm):
+        async with llm.client() as oai:
+            for _ in range(3):
+                await oai.chat.completions.create(
+                    model=llm.model, messages=[{"role": "user", "content": "Hi"}]
+                )
+        return 1.0
+
+    timeout = run(
+        run_episode, url, slow, {}, episode_timeout_s=0.2, failure_rewards={"timeout": 0.0}
+    )
+    assert timeout.stop_reason == StopReason.TIMEOUT and timeout.reward == 0.0
+    broken = run(run_episode, url, reward_bug, {})
+    assert broken.stop_reason == StopReason.REWARD_ERROR and broken.reward is None
+    assert "ZeroDivisionError" in broken.error and len(broken.samples) == 1
+    assert not broken.trainable
+    bug = run(run_episode, url, agent_bug, {})
+    assert bug.stop_reason == StopReason.TOOL_ERROR and bug.reward is None and "oops" in bug.error
+    infra = run(run_episode, url, unreachable, {})
+    assert infra.stop_reason == StopReason.INFRA_ERROR and infra.reward is None
+    capped = run(run_episode, url, too_many_turns, {}, max_turns=2)
+    assert capped.stop_reason == StopReason.MAX_TURNS and capped.metrics.turns == 2
+    with pytest.raises(ValueError, match="infra_error"):
+        run(run_episode, url, slow, {}, failure_rewards={"infra_error": 0.0})
+    stats = run(lambda client: client.episode_stats(), url)
+    assert stats["open"] == 0 and stats["closed"] == 5  # every episode was closed
+
+
+def test_subprocess_agent_gets_the_episode_endpoint(scripted, tmp_path):
+    engine, url = scripted
+    engine.replies.extend(["42"])
+    agent = tmp_path / "agent.py"
+    agent.write_text(
+        "import json, os, sys\n"
+        "import openai\n"
+        "task = json.loads(sys.stdin.read())\n"
+        "client = openai.OpenAI()  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment\n"
+        "reply = client.chat.completions.create(model=os.environ['OPENAI_MODEL'],\n"
+        "    messages=[{'role': 'user', 'content': task['q']}])\n"
+        "print('thinking...')\n"
+        "print(json.dumps({'reward': float(reply.choices[0].message.content == '42')}))\n"
+    )
+    outcome = run(run_subprocess_episode, url, [sys.executable, str(agent)], {"q": "6 * 7?"})
+    assert outcome.stop_reason == StopReason.OK and outcome.reward == 1.0
+    assert outcome.metrics.turns == 1
+    crash = run(run_subprocess_episode, url, [sys.executable, "-c", "raise SystemExit(3)"], {})
+    assert crash.stop_reason == StopReason.TOOL_ERROR and "exited with 3" in crash.error
+    silent = run(run_subprocess_episode, url, [sys.executable, "-c", "print('done')"], {})
+    assert silent.stop_reason == StopReason.REWARD_ERROR
+
+
+class Guess:
+    """Guess the number: the reply must contain it; one reward point when it does."""
+
+    def reset(self, task):
+        self.answer = task["answer"]
+        return "Guess my number."
+
+    async def step(self, action):
+        hit = self.answer in action
+        return ("Correct." if hit else "No, try again."), float(hit), hit
+
+
+def test_environment_rollout(scripted):
+    engine, url = scripted
+    engine.replies.extend(["3", "5", "7"])
+    outcome = run(run_episode, url, environment_rollout(Guess, max_turns=4), {"answer": "5"})
+    assert outcome.stop_reason == StopReason.OK and outcome.reward == 1.0
+    assert outcome.info["turns"] == 2 and outcome.metrics.turns == 2
+    engine.replies.extend(["1", "2"])
+    capped = run(run_episode, url, environment_rollout(Guess, max_turns=2), {"answer": "5"})
+    assert capped.stop_reason == StopReason.MAX_TURNS and capped.reward == 0.0

@@ -1,0 +1,424 @@
+"""Running agent episodes: a user's rollout function (or a subprocess) against the episode gateway.
+
+A rollout is `async def rollout(task: dict, llm: LLM) -> float | Result`; it talks
+to the model with an ordinary client, `openai.AsyncOpenAI(base_url=llm.base_url,
+api_key=llm.api_key)` (or `llm.client()`), as many turns as it likes.
+`run_episode` opens an episode on the engine's gateway, runs the rollout under a
+timeout, closes the episode with the reward and returns the recorded samples
+(`EpisodeOutcome`, an `EpisodeResult`). Subprocess agents get the same endpoint
+through `OPENAI_BASE_URL` / `OPENAI_API_KEY` (`run_subprocess_episode`).
+
+How an episode ends (`StopReason`), and why — nothing becomes reward 0 silently:
+
+- the rollout returns a number → `ok` with that reward; `Result(reward,
+  stop_reason=...)` lets it say `max_turns`, `length` or `tool_error` itself;
+- the gateway refused a call past `max_turns` → `max_turns` (keeping a returned reward);
+- the episode timeout → `timeout`, reward None;
+- the engine unreachable, a 5xx, a call timeout, an expired episode → `infra_error`,
+  reward None: not the policy's fault, the caller should reschedule the task;
+- the prompt outgrew the context (a 400 naming max_model_len) → `length`, reward None;
+- `RewardError` (raise it, or compute the reward inside `with reward_scope():`),
+  a NaN or a missing reward → `reward_error`, reward None: masked, not retried;
+- any other exception from the agent's code → `tool_error`, reward None. An
+  agent bug is deterministic, so rescheduling it would loop forever (the retry
+  storms of other stacks); it is counted and logged with its traceback instead.
+
+Reward None means "do not train on this episode" unless `failure_rewards` maps
+the stop reason to an explicit reward (e.g. `{"timeout": 0.0}`); infrastructure
+and reward failures can never be given one.
+
+Built in: `tool_loop` (a plain OpenAI-client loop running Python tools through a
+`ToolBox`), and the `Environment` protocol (`reset` / `step`) with
+`run_environment` and `environment_rollout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import logging
+import math
+import os
+import signal
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from asyncgrpo.agents.tools import ToolBox
+from asyncgrpo.agents.trajectory import EpisodeMetrics, EpisodeResult, Sample, StopReason
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LLM:
+    """The per-episode endpoint a rollout talks to (an OpenAI-compatible base URL and key)."""
+
+    base_url: str
+    api_key: str
+    model: str
+    call_timeout_s: float | None = None  # per call; the SDK retries it (the gateway dedupes)
+    max_retries: int = 2
+
+    def client(self, **kwargs: Any):
+        """An `openai.AsyncOpenAI` for this episode (close it, e.g. `async with llm.client()`)."""
+        import openai
+
+        if self.call_timeout_s is not None:
+            kwargs.setdefault("timeout", self.call_timeout_s)
+        kwargs.setdefault("max_retries", self.max_retries)
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+
+@dataclass
+class Result:
+    """What a rollout may return instead of a bare reward."""
+
+    reward: float | None
+    stop_reason: StopReason | str = StopReason.OK
+    tool_failures: int = 0
+    info: dict[str, Any] = field(default_factory=dict)  # anything to log with the episode
+
+
+class RewardError(Exception):
+    """The reward could not be computed: the episode is masked (`reward_error`), not scored 0."""
+
+
+@contextlib.contextmanager
+def reward_scope():
+    """Any exception inside becomes a `RewardError` (so it is masked, not a `tool_error`)."""
+    try:
+        yield
+    except RewardError:
+        raise
+    except Exception as exc:
+        raise RewardError(f"reward computation failed: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass
+class EpisodeOutcome(EpisodeResult):
+    """An `EpisodeResult` plus what the runner knows about how it went."""
+
+    episode_id: str = ""
+    error: str | None = None  # the exception that ended the episode, if any
+    info: dict[str, Any] = field(default_factory=dict)  # Result.info, gateway counters, time
+
+
+Rollout = Callable[[dict, LLM], Awaitable["float | Result"]]
+NEVER_REWARDED = (StopReason.INFRA_ERROR, StopReason.REWARD_ERROR)
+
+
+def classify(exc: BaseException) -> StopReason:
+    """The stop reason for an exception that escaped a rollout (see the module docstring)."""
+    from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError
+
+    if isinstance(exc, RewardError):
+        return StopReason.REWARD_ERROR
+    if isinstance(exc, (EngineUnavailableError, ConnectionError)):
+        return StopReason.INFRA_ERROR
+    if isinstance(exc, EngineHTTPError):
+        return StopReason.INFRA_ERROR
+    try:
+        import openai
+    except ImportError:  # pragma: no cover - openai is a dev dependency
+        return StopReason.TOOL_ERROR
+    if isinstance(exc, openai.APIConnectionError):  # includes APITimeoutError
+        return StopReason.INFRA_ERROR
+    if isinstance(exc, openai.APIStatusError):
+        message = str(exc)
+        if exc.status_code == 400 and "max_model_len" in message:
+            return StopReason.LENGTH
+        if exc.status_code == 400 and "max_turns" in message:
+            return StopReason.MAX_TURNS
+        return StopReason.INFRA_ERROR  # 5xx, 401/409 (expired or closed episode), 413
+    return StopReason.TOOL_ERROR
+
+
+def _unpack(value: Any) -> tuple[float | None, StopReason, int, dict, str | None]:
+    """(reward, stop reason, tool failures, info, error) from a rollout's return value."""
+    if isinstance(value, Result):
+        reward, reason = value.reward, StopReason(value.stop_reason)
+        failures, info = value.tool_failures, dict(value.info)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        reward, reason, failures, info = value, StopReason.OK, 0, {}
+    else:
+        got = type(value).__name__
+        return None, StopReason.REWARD_ERROR, 0, {}, f"rollout returned {got}, not a float/Result"
+    if reward is None or math.isnan(reward):
+        if reason in (StopReason.OK,):
+            return None, StopReason.REWARD_ERROR, failures, info, "rollout returned no reward"
+        return None, reason, failures, info, None
+    return float(reward), reason, failures, info, None
+
+
+def _checked_failure_rewards(failure_rewards: Mapping[str, float] | None) -> dict:
+    out = {StopReason(k): float(v) for k, v in (failure_rewards or {}).items()}
+    for reason in NEVER_REWARDED:
+        if reason in out:
+            raise ValueError(f"failure_rewards: {reason.value} episodes cannot be given a reward")
+    return out
+
+
+async def run_episode(
+    client,
+    rollout_fn: Rollout,
+    task: dict,
+    *,
+    max_turns: int | None = None,
+    episode_timeout_s: float | None = None,
+    call_timeout_s: float | None = None,
+    failure_rewards: Mapping[str, float] | None = None,
+) -> EpisodeOutcome:
+    """Open an episode on `client`'s engine, run `rollout_fn(task, llm)`, close it, return it.
+
+    `max_turns`: chat calls the gateway accepts (the next is refused with a 400);
+    `episode_timeout_s`: the whole rollout; `call_timeout_s`: per call, via
+    `llm.client()`. Never raises for a failed episode: see `stop_reason`.
+    """
+    rewards_for = _checked_failure_rewards(failure_rewards)
+    started = time.monotonic()
+    try:
+        opened = await client.open_episode(max_turns=max_turns)
+    except Exception as exc:
+        return EpisodeOutcome(None, StopReason.INFRA_ERROR, [], error=_describe(exc))
+    episode_id = opened["episode_id"]
+    llm = LLM(client.base_url + opened["base_path"], opened["api_key"], opened["model"])
+    if call_timeout_s is not None:
+        llm = LLM(llm.base_url, llm.api_key, llm.model, call_timeout_s)
+    reward, failures, info, error = None, 0, {}, None
+    try:
+        value = await asyncio.wait_for(rollout_fn(task, llm), episode_timeout_s)
+    except TimeoutError:
+        reason, error = StopReason.TIMEOUT, f"the episode took longer than {episode_timeout_s} s"
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # free the gateway's episode, then stop
+            await asyncio.shield(client.close_episode(episode_id, None, "infra_error"))
+        raise
+    except Exception as exc:
+        reason, error = classify(exc), _describe(exc)
+        logger.warning("episode %s ended with %s: %s", episode_id, reason.value, error)
+    else:
+        reward, reason, failures, info, error = _unpack(value)
+    if reward is None and reason in rewards_for:
+        reward = rewards_for[reason]
+    try:
+        closed = await client.close_episode(episode_id, reward, reason.value, failures)
+    except Exception as exc:
+        return EpisodeOutcome(
+            None, StopReason.INFRA_ERROR, [], episode_id=episode_id, error=_describe(exc)
+        )
+    if closed.get("refused_turns") and reason in (StopReason.OK, StopReason.TOOL_ERROR):
+        reason = StopReason.MAX_TURNS
+    info.update(
+        refused_turns=closed.get("refused_turns", 0),
+        deduped_retries=closed.get("deduped_retries", 0),
+        seconds=time.monotonic() - started,
+    )
+    return EpisodeOutcome(
+        reward,
+        reason,
+        [Sample(**s) for s in closed["samples"]],
+        EpisodeMetrics(**closed["metrics"]),
+        episode_id=episode_id,
+        error=error,
+        info=info,
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    frames = traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-3)
+    return "".join(frames).strip()[-2000:]
+
+
+# ---- agents as subprocesses ----
+
+
+class AgentProcessError(Exception):
+    """The agent process exited with an error (a `tool_error`: the agent's own failure)."""
+
+
+async def run_agent_process(
+    cmd: list[str], task: dict, llm: LLM, *, env: Mapping[str, str] | None = None, cwd=None
+) -> Result:
+    """Run `cmd` as an agent of this episode and read its reward.
+
+    The process gets `OPENAI_BASE_URL`, `OPENAI_API_KEY`, `OPENAI_MODEL` and the
+    task as JSON in `ASYNCGRPO_TASK` and on stdin. Its last non-empty stdout line
+    must be a JSON object `{"reward": x}` (optionally with `"stop_reason"` and
+    `"tool_failures"`). A non-zero exit is a `tool_error`; a missing or unreadable
+    reward line a `reward_error`. Timeouts and cancellation kill its process group.
+    """
+    task_json = json.dumps(task)
+    child_env = {
+        **os.environ,
+        **(env or {}),
+        "OPENAI_BASE_URL": llm.base_url,
+        "OPENAI_API_KEY": llm.api_key,
+        "OPENAI_MODEL": llm.model,
+        "ASYNCGRPO_TASK": task_json,
+    }
+    proc = await asyncio.create_subprocess_exec(
+        *cmd,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=child_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = await proc.communicate(task_json.encode())
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        raise
+    if proc.returncode != 0:
+        tail = stderr.decode(errors="replace").strip()[-1500:]
+        raise AgentProcessError(f"agent {cmd[0]} exited with {proc.returncode}: {tail}")
+    return parse_reward_line(stdout.decode(errors="replace"))
+
+
+def parse_reward_line(stdout: str) -> Result:
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    try:
+        data = json.loads(lines[-1])
+        reward = data["reward"]
+        return Result(
+            None if reward is None else float(reward),
+            data.get("stop_reason", "ok"),
+            int(data.get("tool_failures", 0)),
+        )
+    except (IndexError, ValueError, KeyError, TypeError) as exc:
+        last = lines[-1][:200] if lines else "(no output)"
+        raise RewardError(f'agent output must end with a {{"reward": x}} line; got {last}') from exc
+
+
+async def run_subprocess_episode(
+    client,
+    cmd: list[str],
+    task: dict,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd=None,
+    **episode_kwargs: Any,
+) -> EpisodeOutcome:
+    """`run_episode` with an agent process (`run_agent_process`) as the rollout."""
+
+    async def rollout(task: dict, llm: LLM) -> Result:
+        return await run_agent_process(cmd, task, llm, env=env, cwd=cwd)
+
+    return await run_episode(client, rollout, task, **episode_kwargs)
+
+
+# ---- built-in loops ----
+
+
+@dataclass
+class ToolLoopResult:
+    messages: list[dict[str, Any]]  # the whole conversation, replies and tool results included
+    final: dict[str, Any]  # the last assistant message
+    turns: int
+    tool_calls: int
+    tool_failures: int
+    stop_reason: StopReason  # ok (answered), max_turns, or length (cut by max_tokens)
+
+
+def _assistant_message(message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]
+    return out
+
+
+async def tool_loop(
+    llm: LLM,
+    messages: list[dict[str, Any]],
+    toolbox: ToolBox,
+    max_turns: int = 8,
+    **create_kwargs: Any,
+) -> ToolLoopResult:
+    """Ask, run the tool calls of the reply, answer with their results; until a reply without calls.
+
+    A plain OpenAI-client loop (what a user would write): the tools' schemas go in
+    `tools`, failures come back to the model as `tool` messages and are counted.
+    """
+    messages = list(messages)
+    calls = failures = 0
+    async with llm.client() as oai:
+        for turn in range(1, max_turns + 1):
+            response = await oai.chat.completions.create(
+                model=llm.model, messages=messages, tools=toolbox.schemas, **create_kwargs
+            )
+            choice = response.choices[0]
+            reply = _assistant_message(choice.message)
+            messages.append(reply)
+            if not choice.message.tool_calls:
+                reason = StopReason.LENGTH if choice.finish_reason == "length" else StopReason.OK
+                return ToolLoopResult(messages, reply, turn, calls, failures, reason)
+            before = sum(toolbox.errors.values())
+            messages += await toolbox.respond(choice.message.tool_calls)
+            calls += len(choice.message.tool_calls)
+            failures += sum(toolbox.errors.values()) - before
+    return ToolLoopResult(messages, messages[-1], max_turns, calls, failures, StopReason.MAX_TURNS)
+
+
+class Environment(Protocol):
+    """A text environment the model acts in; methods may be sync or async."""
+
+    def reset(self, task: dict) -> list[dict[str, Any]] | str:
+        """The first messages of the episode, or the text of the first user message."""
+        ...
+
+    def step(self, action: str) -> tuple[list[dict[str, Any]] | str, float, bool]:
+        """(observation, reward of this step, done) after the model replied `action`.
+
+        The observation is the next user message's text, or messages to append.
+        """
+        ...
+
+
+async def _maybe_await(value):
+    return await value if inspect.isawaitable(value) else value
+
+
+def _as_messages(observation: list[dict[str, Any]] | str) -> list[dict[str, Any]]:
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    return list(observation)
+
+
+async def run_environment(
+    env: Environment, llm: LLM, task: dict, max_turns: int = 8, **create_kwargs: Any
+) -> Result:
+    """Drive `env` with the model: reply, step, until done; the reward is the sum of step rewards."""
+    messages = _as_messages(await _maybe_await(env.reset(task)))
+    total = 0.0
+    async with llm.client() as oai:
+        for turn in range(1, max_turns + 1):
+            response = await oai.chat.completions.create(
+                model=llm.model, messages=messages, **create_kwargs
+            )
+            action = response.choices[0].message.content or ""
+            messages.append({"role": "assistant", "content": action})
+            observation, reward, done = await _maybe_await(env.step(action))
+            total += float(reward)
+            if done:
+                return Result(total, StopReason.OK, info={"turns": turn})
+            messages += _as_messages(observation)
+    return Result(total, StopReason.MAX_TURNS, info={"turns": max_turns})
+
+
+def environment_rollout(
+    make_env: Callable[[], Environment], max_turns: int = 8, **create_kwargs: Any
+) -> Rollout:
+    """A rollout function (for `run_episode`) that plays a fresh `make_env()` per episode."""
+
+    async def rollout(task: dict, llm: LLM) -> Result:
+        return await run_environment(make_env(), llm, task, max_turns, **create_kwargs)
+
+    return rollout
