@@ -13,21 +13,25 @@ import time
 from collections import deque
 
 import httpx
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
 from asyncgrpo.agents.runner import (
     LLM,
     Result,
+    RewardError,
+    classify,
     environment_rollout,
     reward_scope,
     run_episode,
     run_subprocess_episode,
     tool_loop,
+    training_row,
 )
 from asyncgrpo.agents.tools import ToolBox
-from asyncgrpo.agents.trajectory import StopReason
-from asyncgrpo.client import EngineClient
+from asyncgrpo.agents.trajectory import Sample, StopReason
+from asyncgrpo.client import EngineClient, EngineUnavailableError
 from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.types import EngineError, TokenDelta
 from asyncgrpo.server import ServerSettings, create_app
@@ -546,3 +550,62 @@ def test_environment_rollout(scripted):
     engine.replies.extend(["1", "2"])
     capped = run(run_episode, url, environment_rollout(Guess, max_turns=2), {"answer": "5"})
     assert capped.stop_reason == StopReason.MAX_TURNS and capped.reward == 0.0
+
+
+def status_error(cls, status, message):
+    response = httpx.Response(status, request=httpx.Request("POST", "http://gw/v1/chat"))
+    return cls(message, response=response, body=None)
+
+
+def test_classify_exceptions():
+    request = httpx.Request("POST", "http://gw")
+    cases = [
+        (RewardError("no judge"), StopReason.REWARD_ERROR),
+        (openai.APIConnectionError(request=request), StopReason.INFRA_ERROR),
+        (openai.APITimeoutError(request=request), StopReason.INFRA_ERROR),
+        (status_error(openai.InternalServerError, 500, "boom"), StopReason.INFRA_ERROR),
+        (status_error(openai.ConflictError, 409, "episode closed"), StopReason.INFRA_ERROR),
+        (status_error(openai.AuthenticationError, 401, "wrong key"), StopReason.INFRA_ERROR),
+        (status_error(openai.BadRequestError, 400, "max_model_len is 512"), StopReason.LENGTH),
+        (status_error(openai.BadRequestError, 400, "its max_turns (3)"), StopReason.MAX_TURNS),
+        (status_error(openai.BadRequestError, 400, "top_p must be"), StopReason.TOOL_ERROR),
+        (status_error(openai.NotFoundError, 404, "model"), StopReason.TOOL_ERROR),
+        (EngineUnavailableError("down"), StopReason.INFRA_ERROR),
+        (KeyError("x"), StopReason.TOOL_ERROR),
+    ]
+    assert [classify(exc) for exc, _ in cases] == [reason for _, reason in cases]
+
+
+def test_training_row_splits_at_the_first_sampled_token():
+    sample = Sample(
+        [1, 2, 3, 4, 5, 6], [0, 0, 1, 0, 1, 1], [0, 0, -1, 0, -2, -3], [-1, -1, 4, -1, 5, 5], 0
+    )
+    row = training_row(sample)
+    assert row == {
+        "prompt_ids": [1, 2],
+        "completion_ids": [3, 4, 5, 6],
+        "completion_mask": [1, 0, 1, 1],
+        "logprobs": [-1, 0, -2, -3],
+        "versions": [4, -1, 5, 5],
+    }
+
+
+def test_timeout_inside_the_rollout_is_not_the_episode_timeout(scripted):
+    engine, url = scripted
+
+    async def own_timeout(task, llm):
+        raise TimeoutError("my tool timed out")
+
+    outcome = run(run_episode, url, own_timeout, {}, episode_timeout_s=30)
+    assert outcome.stop_reason == StopReason.TOOL_ERROR and "my tool" in outcome.error
+
+
+def test_close_refuses_a_nan_reward(tokenizer):
+    with TestClient(make_app(ScriptedEngine(tokenizer)), raise_server_exceptions=False) as client:
+        episode = open_episode(client)
+        url = f"/episodes/{episode['episode_id']}/close"
+        bad = client.post(url, headers=ADMIN, content=b'{"reward": NaN}')
+        assert bad.status_code == 422
+        unknown_reason = client.post(url, headers=ADMIN, json={"stop_reason": "bored"})
+        assert unknown_reason.status_code == 422
+        assert client.post(url, headers=ADMIN, json={"reward": None}).status_code == 200

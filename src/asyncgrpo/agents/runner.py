@@ -14,12 +14,15 @@ How an episode ends (`StopReason`), and why — nothing becomes reward 0 silentl
   stop_reason=...)` lets it say `max_turns`, `length` or `tool_error` itself;
 - the gateway refused a call past `max_turns` → `max_turns` (keeping a returned reward);
 - the episode timeout → `timeout`, reward None;
-- the engine unreachable, a 5xx, a call timeout, an expired episode → `infra_error`,
+- the engine unreachable, a 5xx, a call timeout, an expired or closed episode
+  (401/409 from the gateway) → `infra_error`,
   reward None: not the policy's fault, the caller should reschedule the task;
-- the prompt outgrew the context (a 400 naming max_model_len) → `length`, reward None;
+- the prompt outgrew the context (a 400 naming max_model_len, a 413) → `length`,
+  reward None;
 - `RewardError` (raise it, or compute the reward inside `with reward_scope():`),
   a NaN or a missing reward → `reward_error`, reward None: masked, not retried;
-- any other exception from the agent's code → `tool_error`, reward None. An
+- any other exception from the agent's code (a 4xx it caused included) →
+  `tool_error`, reward None. An
   agent bug is deterministic, so rescheduling it would loop forever (the retry
   storms of other stacks); it is counted and logged with its traceback instead.
 
@@ -50,6 +53,7 @@ from typing import Any, Protocol
 
 from asyncgrpo.agents.tools import ToolBox
 from asyncgrpo.agents.trajectory import EpisodeMetrics, EpisodeResult, Sample, StopReason
+from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +118,6 @@ NEVER_REWARDED = (StopReason.INFRA_ERROR, StopReason.REWARD_ERROR)
 
 def classify(exc: BaseException) -> StopReason:
     """The stop reason for an exception that escaped a rollout (see the module docstring)."""
-    from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError
-
     if isinstance(exc, RewardError):
         return StopReason.REWARD_ERROR
     if isinstance(exc, (EngineUnavailableError, ConnectionError)):
@@ -129,13 +131,14 @@ def classify(exc: BaseException) -> StopReason:
     if isinstance(exc, openai.APIConnectionError):  # includes APITimeoutError
         return StopReason.INFRA_ERROR
     if isinstance(exc, openai.APIStatusError):
-        message = str(exc)
-        if exc.status_code == 400 and "max_model_len" in message:
+        status, message = exc.status_code, str(exc)
+        if status >= 500 or status in (401, 409):  # engine failure; expired or closed episode
+            return StopReason.INFRA_ERROR
+        if status == 413 or (status == 400 and "max_model_len" in message):
             return StopReason.LENGTH
-        if exc.status_code == 400 and "max_turns" in message:
+        if status == 400 and "max_turns" in message:
             return StopReason.MAX_TURNS
-        return StopReason.INFRA_ERROR  # 5xx, 401/409 (expired or closed episode), 413
-    return StopReason.TOOL_ERROR
+    return StopReason.TOOL_ERROR  # the agent's own bug, or a request it got wrong
 
 
 def _unpack(value: Any) -> tuple[float | None, StopReason, int, dict, str | None]:
@@ -183,17 +186,22 @@ async def run_episode(
     started = time.monotonic()
     try:
         opened = await client.open_episode(max_turns=max_turns)
-    except Exception as exc:
+    except EngineUnavailableError as exc:  # a 4xx (no gateway there, bad token) is raised
         return EpisodeOutcome(None, StopReason.INFRA_ERROR, [], error=_describe(exc))
     episode_id = opened["episode_id"]
-    llm = LLM(client.base_url + opened["base_path"], opened["api_key"], opened["model"])
-    if call_timeout_s is not None:
-        llm = LLM(llm.base_url, llm.api_key, llm.model, call_timeout_s)
+    llm = LLM(
+        client.base_url + opened["base_path"], opened["api_key"], opened["model"], call_timeout_s
+    )
     reward, failures, info, error = None, 0, {}, None
+    deadline = asyncio.timeout(episode_timeout_s)
     try:
-        value = await asyncio.wait_for(rollout_fn(task, llm), episode_timeout_s)
-    except TimeoutError:
-        reason, error = StopReason.TIMEOUT, f"the episode took longer than {episode_timeout_s} s"
+        async with deadline:
+            value = await rollout_fn(task, llm)
+    except TimeoutError as exc:
+        if deadline.expired():
+            reason, error = StopReason.TIMEOUT, f"the episode took over {episode_timeout_s} s"
+        else:
+            reason, error = classify(exc), _describe(exc)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):  # free the gateway's episode, then stop
             await asyncio.shield(client.close_episode(episode_id, None, "infra_error"))
@@ -227,6 +235,23 @@ async def run_episode(
         error=error,
         info=info,
     )
+
+
+def training_row(sample: Sample) -> dict[str, list]:
+    """A sample in the trainer's prompt/completion form.
+
+    The prompt is everything before the first sampled token; the completion is
+    the rest, where `completion_mask` is 0 on the tokens the model did not
+    sample (tool results, later user turns, template scaffolding).
+    """
+    first = sample.loss_mask.index(1) if 1 in sample.loss_mask else len(sample.input_ids)
+    return {
+        "prompt_ids": sample.input_ids[:first],
+        "completion_ids": sample.input_ids[first:],  # (C,)
+        "completion_mask": sample.loss_mask[first:],  # (C,)
+        "logprobs": sample.logprobs[first:],  # (C,) 0.0 where masked
+        "versions": sample.versions[first:],  # (C,) -1 where masked
+    }
 
 
 def _describe(exc: BaseException) -> str:

@@ -208,7 +208,9 @@ class EpisodeRegistry:
         idle = [
             e
             for e in self.open.values()
-            if e.active == 0 and now - e.last_used > self.idle_timeout_s
+            if e.active == 0
+            and all(t.done() for t in e.tasks)
+            and now - e.last_used > self.idle_timeout_s
         ]
         for episode in idle:
             self.retire(episode, "expired")
@@ -231,7 +233,7 @@ class OpenRequest(BaseModel):
 
 class CloseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reward: float | None = None
+    reward: float | None = Field(default=None, allow_inf_nan=False)
     stop_reason: StopReason = StopReason.OK
     tool_failures: int = Field(default=0, ge=0)
 
