@@ -609,3 +609,27 @@ def test_close_refuses_a_nan_reward(tokenizer):
         unknown_reason = client.post(url, headers=ADMIN, json={"stop_reason": "bored"})
         assert unknown_reason.status_code == 422
         assert client.post(url, headers=ADMIN, json={"reward": None}).status_code == 200
+
+
+def test_n_choices_are_branches_and_the_chosen_one_is_continued(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["yes", "no", "fine"])
+    with TestClient(make_app(engine), raise_server_exceptions=False) as client:
+        episode = open_episode(client)
+        user = [{"role": "user", "content": "Hi"}]
+        both = chat(client, episode, user, n=2).json()
+        assert [c["message"]["content"] for c in both["choices"]] == ["yes", "no"]
+        follow = user + [
+            {"role": "assistant", "content": "no"},
+            {"role": "user", "content": "Why?"},
+        ]
+        assert chat(client, episode, follow).status_code == 200
+        url = f"/episodes/{episode['episode_id']}/close"
+        result = client.post(url, headers=ADMIN, json={"reward": 1.0}).json()
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    first, second = result["samples"]
+    assert first["input_ids"] == engine.prompts[0] + engine.char_ids("yes") + eos
+    # the continued choice: its exact ids, then the bridge, then the next reply
+    no = engine.prompts[0] + engine.char_ids("no") + eos
+    assert second["input_ids"][: len(no)] == no and engine.prompts[1][: len(no)] == no
+    assert second["input_ids"] == engine.prompts[1] + engine.char_ids("fine") + eos
+    assert result["metrics"]["branches"] == 2 and result["metrics"]["turns"] == 3
