@@ -21,6 +21,7 @@ from asyncgrpo.agents.runner import (
     LLM,
     Result,
     RewardError,
+    _unpack,
     classify,
     environment_rollout,
     reward_scope,
@@ -633,3 +634,23 @@ def test_n_choices_are_branches_and_the_chosen_one_is_continued(tokenizer):
     assert second["input_ids"][: len(no)] == no and engine.prompts[1][: len(no)] == no
     assert second["input_ids"] == engine.prompts[1] + engine.char_ids("fine") + eos
     assert result["metrics"]["branches"] == 2 and result["metrics"]["turns"] == 3
+
+
+@pytest.mark.parametrize(
+    "value, reward, reason",
+    [
+        (1, 1.0, StopReason.OK),
+        (Result(0.5, "length"), 0.5, StopReason.LENGTH),
+        (Result(None, "tool_error"), None, StopReason.TOOL_ERROR),
+        (Result(None), None, StopReason.REWARD_ERROR),
+        (float("nan"), None, StopReason.REWARD_ERROR),
+        (None, None, StopReason.REWARD_ERROR),
+        ("1.0", 1.0, StopReason.OK),
+        (True, None, StopReason.REWARD_ERROR),
+        (Result(1.0, "bored"), None, StopReason.REWARD_ERROR),
+        ({"reward": 1}, None, StopReason.REWARD_ERROR),
+    ],
+)
+def test_rollout_return_values(value, reward, reason):
+    got, why, *_ = _unpack(value)
+    assert (got, why) == (reward, reason)

@@ -143,19 +143,21 @@ def classify(exc: BaseException) -> StopReason:
 
 def _unpack(value: Any) -> tuple[float | None, StopReason, int, dict, str | None]:
     """(reward, stop reason, tool failures, info, error) from a rollout's return value."""
-    if isinstance(value, Result):
-        reward, reason = value.reward, StopReason(value.stop_reason)
-        failures, info = value.tool_failures, dict(value.info)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        reward, reason, failures, info = value, StopReason.OK, 0, {}
-    else:
-        got = type(value).__name__
-        return None, StopReason.REWARD_ERROR, 0, {}, f"rollout returned {got}, not a float/Result"
-    if reward is None or math.isnan(reward):
-        if reason in (StopReason.OK,):
-            return None, StopReason.REWARD_ERROR, failures, info, "rollout returned no reward"
-        return None, reason, failures, info, None
-    return float(reward), reason, failures, info, None
+    if not isinstance(value, Result):
+        value = Result(value)
+    try:
+        reason = StopReason(value.stop_reason)
+        reward = None if value.reward is None else float(value.reward)
+        failures = int(value.tool_failures)
+    except (TypeError, ValueError) as exc:
+        return None, StopReason.REWARD_ERROR, 0, {}, f"rollout returned {value!r}: {exc}"
+    if isinstance(value.reward, bool):
+        return None, StopReason.REWARD_ERROR, failures, {}, "rollout returned a bool reward"
+    if reward is not None and math.isnan(reward):
+        reward = None
+    if reward is None and reason == StopReason.OK:
+        return None, StopReason.REWARD_ERROR, failures, dict(value.info), "no reward returned"
+    return reward, reason, failures, dict(value.info), None
 
 
 def _checked_failure_rewards(failure_rewards: Mapping[str, float] | None) -> dict:
@@ -208,19 +210,21 @@ async def run_episode(
         raise
     except Exception as exc:
         reason, error = classify(exc), _describe(exc)
-        logger.warning("episode %s ended with %s: %s", episode_id, reason.value, error)
     else:
         reward, reason, failures, info, error = _unpack(value)
-    if reward is None and reason in rewards_for:
-        reward = rewards_for[reason]
     try:
         closed = await client.close_episode(episode_id, reward, reason.value, failures)
     except Exception as exc:
         return EpisodeOutcome(
             None, StopReason.INFRA_ERROR, [], episode_id=episode_id, error=_describe(exc)
         )
+    # the gateway refused a call: whatever the agent made of that, the turns ran out
     if closed.get("refused_turns") and reason in (StopReason.OK, StopReason.TOOL_ERROR):
         reason = StopReason.MAX_TURNS
+    if reward is None and reason in rewards_for:
+        reward = rewards_for[reason]
+    if error:
+        logger.warning("episode %s ended with %s: %s", episode_id, reason.value, error)
     info.update(
         refused_turns=closed.get("refused_turns", 0),
         deduped_retries=closed.get("deduped_retries", 0),
