@@ -10,6 +10,7 @@ maths in `trainer/`, the staleness rules in `coordinator/`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import math
@@ -229,7 +230,11 @@ class Pipeline:
             last_busy, last_t = busy, now
 
     def sync_weights(self) -> None:
-        """Publish the trainer's weights; the engine's version becomes the trainer's."""
+        """Publish the trainer's weights; the engine's version becomes the trainer's.
+
+        An embedded engine that dies before or during the update is restarted and
+        the update repeated, so a sync never waits on a dead process.
+        """
         start = time.monotonic()
         mode = self.cfg.coordinator.sync_mode
         version = self.trainer.version
@@ -237,13 +242,26 @@ class Pipeline:
 
         async def publish() -> None:
             await self.client.pause(mode)
-            try:
-                await self.transport.publish(weights, version)
-            finally:
-                await self.client.resume()
+            await self.transport.publish(weights, version)
+            await self.client.resume()  # a restarted engine starts unpaused anyway
 
         with self.tracker.span("weight_sync"):
-            self.loop.run(publish())
+            for attempt in range(3):
+                self._restart_dead_engine()
+                future = self.loop.submit(publish())
+                while True:
+                    try:
+                        future.result(timeout=0.5)
+                        break
+                    except concurrent.futures.TimeoutError:
+                        if self.engine is not None and not self.engine.alive():
+                            future.cancel()
+                            break
+                if future.done() and not future.cancelled():
+                    break
+                logger.warning("engine died during weight sync (attempt %d)", attempt + 1)
+            else:
+                raise RunAborted("the engine keeps dying during weight sync")
         self.buffer.set_engine_version(version)
         self.weight_sync_s = time.monotonic() - start
 
@@ -275,11 +293,15 @@ class Pipeline:
 
     def _watch_engine(self) -> None:
         """Restart a dead embedded engine with the latest weights; requests retry into it."""
+        if self._restart_dead_engine():
+            self.sync_weights()
+
+    def _restart_dead_engine(self) -> bool:
         if self.engine is None or self.engine.alive():
-            return
+            return False
         logger.warning("engine process died; restarting it with weights of version %d", self.step)
         self.engine.restart(self.cfg.engine.startup_timeout_s)
-        self.sync_weights()
+        return True
 
     def consumed(self, groups: list[Group]) -> None:
         for g in groups:
