@@ -654,3 +654,27 @@ def test_n_choices_are_branches_and_the_chosen_one_is_continued(tokenizer):
 def test_rollout_return_values(value, reward, reason):
     got, why, *_ = _unpack(value)
     assert (got, why) == (reward, reason)
+
+
+def test_official_client_streams_a_tool_call(scripted):
+    engine, url = scripted
+    engine.replies.extend([CALL])
+
+    async def rollout(task, llm):
+        async with llm.client() as oai:
+            stream = await oai.chat.completions.create(
+                model=llm.model,
+                messages=[{"role": "user", "content": "2 + 3?"}],
+                tools=[ADD_TOOL],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = [chunk async for chunk in stream]
+        [call] = chunks[0].choices[0].delta.tool_calls
+        assert (call.index, call.function.name) == (0, "add")
+        assert chunks[0].choices[0].finish_reason == "tool_calls"
+        assert chunks[-1].usage.completion_tokens == len(engine.char_ids(CALL)) + 1
+        return 1.0
+
+    outcome = run(run_episode, url, rollout, {})
+    assert outcome.stop_reason == StopReason.OK and outcome.metrics.tool_calls == 1
