@@ -1,10 +1,11 @@
-"""`make demo` until the training pipeline lands: the engine server and one scripted client.
+"""`make demo`: a short asynchronous GRPO run on the shipped model, then what it learned.
 
-Starts `asyncgrpo serve` on the default model (SmolLM2-135M-Instruct) as a
-child process, asks one chat question through the async client, and prints the
-answer with what RL needs from every token: its id, its log-probability under
-the distribution it was sampled from, and the weight version that sampled it.
-Then it stops the server and exits.
+Trains SmolLM2-135M-Instruct with `recipes/demo.yaml` on the CPU (engine and
+trainer overlap, one core each), then prints held-out reward before and after
+and where the plots are. `--serve` instead starts `asyncgrpo serve` on the
+model and prints one chat answer with what RL needs from every token: its id,
+its log-probability under the distribution it was sampled from, and the weight
+version that sampled it.
 """
 
 from __future__ import annotations
@@ -52,15 +53,52 @@ async def ask(proc: EngineProcess, max_tokens: int) -> None:
     print(f"finish_reason: {choice['finish_reason']}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m asyncgrpo.demo", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--model", default="smollm2-135m", help="model name or local directory")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    args = parser.parse_args(argv)
+def train_demo(recipe: str, overrides: list[str]) -> int:
+    import json
+
+    from asyncgrpo.config import ConfigError, load_config
+    from asyncgrpo.pipeline import RunAborted
+    from asyncgrpo.run import train
+
+    if not Path(recipe).exists():
+        print(f"error: recipe {recipe} not found (run `make demo` from the repository root)")
+        return 2
+    try:
+        cfg = load_config(recipe, overrides)
+        print(
+            f"training {cfg.model.name_or_path} with {recipe}: {cfg.max_steps} steps, "
+            f"at most {cfg.max_time_s or 0:.0f}s; progress below, details in runs/{cfg.name}/\n"
+        )
+        run_dir = train(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}")
+        return 2
+    except RunAborted as exc:
+        print(f"run aborted: {exc}")
+        return 1
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    evals = [x for x in lines if x.get("kind") == "eval"]
+    steps = [x for x in lines if x.get("kind") == "train"]
+    print()
+    if len(evals) >= 2:
+        first, last = evals[0], evals[-1]
+        print(
+            f"held-out reward (greedy, {first.get('eval_count', '?')} prompts): "
+            f"{first['eval_reward_mean']:.3f} before -> {last['eval_reward_mean']:.3f} "
+            f"after {last['step']} steps"
+        )
+    if steps:
+        print(
+            f"trained {steps[-1]['step']} steps in {steps[-1]['time_s'] / 60:.1f} min; "
+            f"staleness max {max(x.get('staleness_max', 0) for x in steps)}"
+        )
+    plots = sorted((run_dir / "plots").glob("*.png"))
+    print(f"plots: {', '.join(str(p) for p in plots) or 'none'}")
+    print(f"run directory: {run_dir} (metrics.jsonl, samples.jsonl, checkpoints/)")
+    return 0
+
+
+def serve_demo(args: argparse.Namespace) -> int:
     try:
         model_dir = resolve_model_dir(args.model)
     except CliError as exc:
@@ -86,6 +124,33 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.stop()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncgrpo.demo", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--recipe", default="recipes/demo.yaml", help="recipe to train")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe override",
+    )
+    parser.add_argument("--serve", action="store_true", help="serve demo instead of training")
+    parser.add_argument("--model", default="smollm2-135m", help="(--serve) model or directory")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    if args.serve:
+        return serve_demo(args)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return train_demo(args.recipe, args.overrides)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ from asyncgrpo import demo
 
 def test_demo_prints_tokens_logprobs_and_versions(tiny_model_dir, capsys):
     assert (
-        demo.main(["--model", str(tiny_model_dir), "--dtype", "float32", "--max-tokens", "5"]) == 0
+        demo.main(
+            ["--serve", "--model", str(tiny_model_dir), "--dtype", "float32", "--max-tokens", "5"]
+        )
+        == 0
     )
     out = capsys.readouterr().out
     assert "assistant:" in out and "finish_reason: length" in out
