@@ -41,14 +41,13 @@ ATTN_IMPLEMENTATION = "asyncgrpo_packed"
 
 @dataclass(frozen=True)
 class Segment:
-    """Query rows [start, end) of the packed row: causal among themselves, plus full
-    attention to the rows [prefix_start, prefix_end) of a shared prompt (if any)."""
+    """Rows [start, end) of the packed row: causal among themselves, plus full
+    attention to every row of segment number `prefix` (a shared prompt), if set."""
 
     start: int
     end: int
-    prefix_start: int = 0
-    prefix_end: int = 0
-    mask: torch.Tensor | None = None  # (end-start, prefix+end-start) bool, only with a prefix
+    prefix: int | None = None
+    mask: torch.Tensor | None = None  # (end-start, prefix length + end-start) bool, with a prefix
 
 
 @dataclass
@@ -69,7 +68,9 @@ class PackedBatch:
             mask[seg.start : seg.end, seg.start : seg.end] = torch.ones(
                 length, length, dtype=torch.bool
             ).tril()
-            mask[seg.start : seg.end, seg.prefix_start : seg.prefix_end] = True
+            if seg.prefix is not None:
+                prompt = self.segments[seg.prefix]
+                mask[seg.start : seg.end, prompt.start : prompt.end] = True
         return mask[None, None]
 
 
@@ -108,14 +109,13 @@ def pack_sequences(
     segments: list[Segment] = []
     rows: list[list[int]] = [[] for _ in seqs]
 
-    def append(tokens, first_position, prefix=(0, 0)) -> int:
+    def append(tokens, first_position, prefix: int | None = None) -> int:
         start = len(ids)
         ids.extend(tokens)
         positions.extend(range(first_position, first_position + len(tokens)))
         if tokens:
-            length, width = len(tokens), prefix[1] - prefix[0]
-            mask = _prefix_causal_mask(length, width) if width else None
-            segments.append(Segment(start, len(ids), *prefix, mask=mask))
+            mask = None if prefix is None else _prefix_causal_mask(len(tokens), first_position)
+            segments.append(Segment(start, len(ids), prefix, mask))
         return start
 
     for group in _prompt_groups(seqs, prompt_lengths, share_prefix):
@@ -128,7 +128,7 @@ def pack_sequences(
             rows[group[0]] = list(range(start + p - 1, start + len(seq) - 1))
             continue
         prompt_start = append(list(seqs[group[0]][:p]), 0)
-        prefix = (prompt_start, prompt_start + p)
+        prefix = len(segments) - 1
         for i in group:
             completion = list(seqs[i][p:])
             if not completion:
@@ -167,15 +167,18 @@ def packed_attention_forward(
     if query.shape[0] != 1:
         raise ValueError("a packed forward takes a single row")
     gqa = query.shape[1] != key.shape[1]
+    # split, not slicing: the backward of S slices would zero-fill S full-size gradients
+    sizes = [seg.end - seg.start for seg in packed_segments]
+    queries, keys, values = (t.split(sizes, dim=2) for t in (query, key, value))
     outputs = []
-    for seg in packed_segments:
-        k, v = key[:, :, seg.start : seg.end], value[:, :, seg.start : seg.end]
-        if seg.mask is not None:
-            k = torch.cat([key[:, :, seg.prefix_start : seg.prefix_end], k], dim=2)
-            v = torch.cat([value[:, :, seg.prefix_start : seg.prefix_end], v], dim=2)
+    for i, seg in enumerate(packed_segments):
+        k, v = keys[i], values[i]
+        if seg.prefix is not None:
+            k = torch.cat([keys[seg.prefix], k], dim=2)
+            v = torch.cat([values[seg.prefix], v], dim=2)
         outputs.append(
             F.scaled_dot_product_attention(
-                query[:, :, seg.start : seg.end],
+                queries[i],
                 k,
                 v,
                 attn_mask=seg.mask,
