@@ -13,8 +13,10 @@ source key says where rows come from:
 
 A held-out set comes from `eval_path` / `eval_split`, or from `eval_size` rows
 taken out of the training rows in a seeded order (the same rows for the same
-seed). `size` caps the training rows. `prompt_column` names the column that
-holds the prompt when it is not `prompt`.
+seed). `size` caps the training rows (a builtin task generates `size` +
+`eval_size` distinct prompts, `size` defaulting to 1000, or all it has when its
+space is smaller). `prompt_column` names the column that holds the prompt when
+it is not `prompt`.
 
 Rows follow TRL's dataset formats: `prompt` is a plain string (used as is) or a
 conversation (a list of `{"role", "content"}` messages, rendered with the chat

@@ -4,8 +4,20 @@ Every generator is deterministic for a seed, needs no download, and returns up t
 `count` distinct rows (fewer when its space of distinct prompts is smaller); the
 rows carry the columns their reward functions read. The tasks are sized for a
 135M model on a CPU: one-line prompts, answers of a few tokens. Which of them
-the model can learn quickly was chosen by measuring base rates
-(`benchmarks/base_rate.py`), as REFERENCE.md advises.
+the model can learn quickly was chosen by measuring base rates, as REFERENCE.md
+advises (`benchmarks/base_rate.py`; SmolLM2-135M-Instruct, bf16 engine, 32
+held-out prompts x 8 samples at temperature 1, plus one greedy answer each):
+
+| task (reward)                        | sampled | greedy | groups with variance | tokens |
+|--------------------------------------|---------|--------|----------------------|--------|
+| word_count (word_count_reward)       | 0.27    | 0.24   | 100%                 | 17.6   |
+| arithmetic (short_arithmetic_reward) | 0.10    | 0.58   | 84%                  | 14.0   |
+| repeat_word (repeat_word_reward)     | 0.09    | 0.20   | 97%                  | 14.0   |
+
+`word_count` is the default recipe's task: low greedy reward, signal in every
+group, and a behaviour (stopping on time) that GRPO moves in a few steps. The
+strict arithmetic pair (`arithmetic_reward` + `number_only_reward`) is nearly
+flat: a bare number is sampled in under 2% of completions.
 
 Reward functions have TRL's signature `f(prompts, completions, completion_ids,
 **columns) -> list[float | None]` and accept completions as strings or as TRL's
