@@ -51,36 +51,37 @@ def entropy_from_logits(
     return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
 
 
-def _chunk_logits(hidden, weight, bias, temperature):
-    logits = hidden @ weight.t()  # (c, V)
-    if bias is not None:
-        logits = logits + bias
-    return logits.float() / temperature
+def _chunk_logits(hidden, weight, bias, temperature) -> torch.Tensor:
+    """Fresh (c, V) float32 logits / temperature, safe to modify in place."""
+    logits = hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
+    logits = logits.float()  # a copy only under bf16
+    return logits.div_(temperature) if temperature != 1.0 else logits
 
 
 class _LMHeadLogProbs(torch.autograd.Function):
-    """Fused head + selective log-softmax (+ entropy); recomputes logits in backward."""
+    """Fused head + selective log-softmax (+ entropy); recomputes logits in backward.
+
+    Works in place on each chunk: at most two (chunk, V) float32 buffers live.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, with_entropy):
         n = hidden.shape[0]
         logprobs = hidden.new_empty(n, dtype=torch.float32)  # (M,)
         lse = hidden.new_empty(n, dtype=torch.float32)  # (M,)
-        mean_z = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)  # (M,)
+        mean_z = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)  # (M,) E_p[z]
         for s in range(0, n, chunk_rows):
-            z = _chunk_logits(hidden[s : s + chunk_rows], weight, bias, temperature)  # (c, V)
-            chunk_lse = torch.logsumexp(z, dim=-1)
-            lse[s : s + chunk_rows] = chunk_lse
-            picked = z.gather(1, targets[s : s + chunk_rows, None]).squeeze(1)
-            logprobs[s : s + chunk_rows] = picked - chunk_lse
+            rows = slice(s, s + chunk_rows)
+            z = _chunk_logits(hidden[rows], weight, bias, temperature)  # (c, V)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            logprobs[rows] = z.gather(1, targets[rows, None]).squeeze(1) - lse[rows]
             if with_entropy:
-                z.sub_(chunk_lse[:, None])
-                mean_z[s : s + chunk_rows] = (z.exp() * z).sum(-1) + chunk_lse
+                log_p = z.sub_(lse[rows, None])  # (c, V), in place
+                mean_z[rows] = (log_p.exp() * log_p).sum(-1) + lse[rows]
         ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z)
         ctx.temperature, ctx.chunk_rows, ctx.with_entropy = temperature, chunk_rows, with_entropy
-        entropy = lse - mean_z if with_entropy else None
-        if entropy is None:
-            return logprobs, hidden.new_zeros(n, dtype=torch.float32)
+        entropy = lse - mean_z if with_entropy else hidden.new_zeros(n, dtype=torch.float32)
+        ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
         return logprobs, entropy
 
     @staticmethod
@@ -93,20 +94,28 @@ class _LMHeadLogProbs(torch.autograd.Function):
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         use_entropy = ctx.with_entropy and grad_entropy is not None
         for s in range(0, hidden.shape[0], chunk_rows):
-            h = hidden[s : s + chunk_rows]  # (c, H)
+            rows = slice(s, s + chunk_rows)
+            h = hidden[rows]  # (c, H)
             z = _chunk_logits(h, weight, bias, temperature)  # (c, V)
-            p = (z - lse[s : s + chunk_rows, None]).exp_()  # (c, V) softmax
-            g_lp = grad_logprobs[s : s + chunk_rows]  # (c,)
-            # d logp_t / dz = onehot(t) - p ;  d H / dz = -p * (z - E_p[z])
-            grad_z = p * (-g_lp[:, None])
+            p = torch.sub(z, lse[rows, None]).exp_()  # (c, V) softmax
+            g_lp = grad_logprobs[rows, None]  # (c, 1)
+            # d logp_t/dz = onehot(t) - p ;  d H/dz = -p (z - E_p[z])
+            # => grad_z = onehot(t) g_lp - p (g_lp + g_ent (z - E_p[z]))
             if use_entropy:
-                g_ent = grad_entropy[s : s + chunk_rows, None]
-                grad_z -= p * (z - mean_z[s : s + chunk_rows, None]) * g_ent
-            grad_z.scatter_add_(1, targets[s : s + chunk_rows, None], g_lp[:, None])
-            grad_logits = (grad_z / temperature).to(hidden.dtype)  # (c, V)
+                factor = z.sub_(mean_z[rows, None]).mul_(grad_entropy[rows, None]).add_(g_lp)
+                grad_z = p.mul_(factor).neg_()
+            else:
+                del z
+                grad_z = p.mul_(-g_lp)
+            grad_z.scatter_add_(1, targets[rows, None], g_lp)
+            if temperature != 1.0:
+                grad_z.div_(temperature)
+            grad_logits = grad_z.to(hidden.dtype)  # (c, V)
             if need_h:
-                grad_h[s : s + chunk_rows] = grad_logits @ weight
-            if need_w:
+                torch.mm(grad_logits, weight, out=grad_h[rows])
+            if need_w and weight.dtype == torch.float32:
+                grad_w.addmm_(grad_logits.t(), h)
+            elif need_w:  # accumulate a low-precision head's gradient in float32
                 grad_w += (grad_logits.t() @ h).float()
             if need_b:
                 grad_b += grad_logits.float().sum(0)
