@@ -184,3 +184,15 @@ def test_pad_ragged_pads_right_and_keeps_gradients():
     assert a.grad.tolist() == [1, 1, 1]
     empty, empty_mask = pad_ragged([])
     assert empty.shape == empty_mask.shape == (0, 0)
+
+
+def test_packed_forward_under_bf16_autocast_stays_close_to_fp32(models):
+    _, packed = models
+    seqs, prompts = grpo_like_batch()
+    with torch.no_grad():
+        want = packed_token_logprobs(packed, seqs, prompt_lengths=prompts).logprobs
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = packed_token_logprobs(packed, seqs, prompt_lengths=prompts).logprobs
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, atol=0.15, rtol=0.05)
