@@ -71,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-weight-body-mb", type=float, default=4096, help="body limit of /update_weights"
     )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level")
+    serve.add_argument(
+        "--tool-parser", default="hermes", help="how tool calls are read from generated text"
+    )
+    serve.add_argument(
+        "--max-open-episodes", type=int, default=1024, help="agent episodes open at once"
+    )
+    serve.add_argument(
+        "--episode-idle-timeout",
+        type=float,
+        default=900.0,
+        help="seconds before an idle episode closes",
+    )
 
     commands.add_parser(
         "train", help="train from a recipe (see `asyncgrpo train --help`)", add_help=False
@@ -84,6 +96,12 @@ def serve(args: argparse.Namespace) -> int:
     exit_with_parent()  # a no-op unless started by EngineProcess
     token = args.admin_token or os.environ.get(TOKEN_ENV) or None
     model_dir = resolve_model_dir(args.model)
+    from asyncgrpo.agents.toolcalls import get_parser
+
+    try:
+        get_parser(args.tool_parser)
+    except (KeyError, ValueError) as exc:
+        raise CliError(f"--tool-parser: {exc}") from None
 
     import uvicorn
 
@@ -108,6 +126,9 @@ def serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or args.model,
         max_body_bytes=int(args.max_body_mb * 2**20),
         max_weight_body_bytes=int(args.max_weight_body_mb * 2**20),
+        tool_parser=args.tool_parser,
+        max_open_episodes=args.max_open_episodes,
+        episode_idle_timeout_s=args.episode_idle_timeout,
     )
     if not _is_loopback(args.host):
         print(f"warning: binding {args.host}: the OpenAI routes are reachable from the network")
