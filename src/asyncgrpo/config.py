@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -73,6 +73,51 @@ class RolloutConfig(Section):
     """Deadline for one generation call, retries included."""
     reward_error_policy: Literal["drop_group", "abort"] = "drop_group"
     """What a reward function raising does: drop that group (counted) or stop the run."""
+
+
+class AgentConfig(Section):
+    """Multi-turn agent episodes instead of plain completions (see `rollout/episodes.py`)."""
+
+    rollout: str | None = None
+    """Dotted path `package.module:function` of an `async def rollout(task, llm) -> float |
+    Result` that talks to the model through `openai.AsyncOpenAI(base_url=llm.base_url,
+    api_key=llm.api_key)`. None: plain completions scored by `rewards`. When set, a group is
+    `rollout.num_generations` episodes of one task row, its reward the rollout's return value
+    (`rewards`, if listed, only grade each episode's final reply, logged as `final_<name>`). Sample at `rollout.temperature` (the OpenAI default, 1.0, when
+    the rollout passes none): the trainer divides its logits by it."""
+    max_turns: int = Field(8, ge=1)
+    """Chat calls an episode may make; the gateway refuses the next (stop reason max_turns)."""
+    episode_timeout_s: float = Field(300.0, gt=0)
+    """Deadline of a whole episode (stop reason timeout)."""
+    call_timeout_s: float | None = Field(120.0, gt=0)
+    """Deadline of one chat call of `llm.client()` (the SDK retries it; the gateway dedupes)."""
+    max_infra_retries: int = Field(2, ge=0)
+    """Times an episode that failed for infrastructure reasons (engine down, 5xx, expired
+    episode) is run again before its whole group is dropped (reason infra_error)."""
+    eval_repeats: int = Field(1, ge=1)
+    """Episodes per held-out row in an evaluation (they are sampled, so more is less noisy)."""
+    failure_rewards: dict[str, float] = {}
+    """Explicit rewards for episodes that ended badly, by stop reason, e.g. `{timeout: 0.0,
+    max_turns: 0.0}`; a stop reason not listed (and always infra_error, reward_error) leaves
+    the episode untrained instead of scoring it 0."""
+
+    @field_validator("rollout")
+    @classmethod
+    def _dotted_path(cls, value: str | None) -> str | None:
+        if value is not None and (":" not in value or not all(value.split(":", 1))):
+            raise ValueError(f"expected `package.module:function`, got {value!r}")
+        return value
+
+    @field_validator("failure_rewards")
+    @classmethod
+    def _known_reasons(cls, value: dict[str, float]) -> dict[str, float]:
+        allowed = ("ok", "max_turns", "timeout", "length", "tool_error")
+        for reason in value:
+            if reason not in allowed:
+                raise ValueError(
+                    f"failure_rewards: {reason!r} cannot be given a reward; one of {allowed}"
+                )
+        return value
 
 
 class CoordinatorConfig(Section):
@@ -169,6 +214,7 @@ class RunConfig(Section):
     model: ModelConfig = ModelConfig()
     engine: EngineSection = EngineSection()
     rollout: RolloutConfig = RolloutConfig()
+    agent: AgentConfig = AgentConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
     loss: LossConfig = LossConfig()
     advantage: AdvantageConfig = AdvantageConfig()

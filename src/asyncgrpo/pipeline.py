@@ -30,6 +30,7 @@ from asyncgrpo.config import RunConfig
 from asyncgrpo.coordinator.buffer import RolloutBuffer
 from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.loop_thread import LoopThread
+from asyncgrpo.rollout.episodes import EpisodeGroupBuilder, EpisodeSettings, load_rollout
 from asyncgrpo.rollout.orchestrator import GenerationSettings, Orchestrator
 from asyncgrpo.rollout.prompts import PromptStream
 from asyncgrpo.rollout.types import Group, Rollout
@@ -97,6 +98,7 @@ class Pipeline:
         reward_runner: Any,
         tracker: Any,
         run_dir: Path,
+        rollout_func: Any = None,
     ):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -122,6 +124,7 @@ class Pipeline:
             on_drop_stale=lambda g: self.prompts.done(g.data_index),
         )
         self.prompts = PromptStream(train_rows, cfg.seed)
+        self.episodes = self._make_episodes(rollout_func)
         self.orchestrator = Orchestrator(
             client=self.client,
             buffer=self.buffer,
@@ -140,6 +143,7 @@ class Pipeline:
             filter_zero_variance=cfg.rollout.filter_zero_variance,
             max_concurrent_groups=cfg.rollout.max_concurrent_groups,
             on_reward_error=cfg.rollout.reward_error_policy,
+            build_group=self.episodes.build if self.episodes is not None else None,
         )
         self._rollouts = None
         self._eval_future = None
@@ -160,6 +164,24 @@ class Pipeline:
             max_num_seqs=e.max_num_seqs,
             max_model_len=e.max_model_len,
             log_path=self.run_dir / "engine.log",
+        )
+
+    def _make_episodes(self, rollout_func: Any) -> EpisodeGroupBuilder | None:
+        """Agent runs (`agent.rollout`, or a function passed in): groups of whole episodes."""
+        a = self.cfg.agent
+        if rollout_func is None and a.rollout is None:
+            return None
+        settings = EpisodeSettings(
+            self.cfg.rollout.num_generations,
+            a.max_turns,
+            a.episode_timeout_s,
+            a.call_timeout_s,
+            a.max_infra_retries,
+            dict(a.failure_rewards),
+        )
+        fn = rollout_func or load_rollout(a.rollout)
+        return EpisodeGroupBuilder(
+            self.client, fn, settings, self.decode, graders=self.reward_runner
         )
 
     async def _make_client(self, retry: RetryPolicy) -> EngineClient:
@@ -355,6 +377,9 @@ class Pipeline:
             return rollout.rewards
 
         rows = [dict(self.eval_rows[i]) for i in range(len(self.eval_rows))]
+        if self.episodes is not None:
+            rows = rows * self.cfg.agent.eval_repeats
+            return {**await self.episodes.evaluate(rows), "eval_version": self.step}
         scores = await asyncio.gather(*[one(r) for r in rows])
         weights = self.cfg.advantage.reward_weights or [1.0] * len(scores[0])
         totals = [
@@ -417,6 +442,8 @@ class Pipeline:
             weight_sync_s=self.weight_sync_s,
             gen_tokens_per_s=(gen_tokens - self._last["gen_tokens"]) / dt,
         )
+        if self.episodes is not None:
+            row.update(self.episodes.stats.take())
         row.update(self.tracker.timeline.ratios(self._last["t_run"], self.tracker.elapsed()))
         self._last = {"time": now, "t_run": self.tracker.elapsed(), "gen_tokens": gen_tokens}
         row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
@@ -464,5 +491,6 @@ class Pipeline:
         self.loop.stop()
         if self.engine is not None:
             self.engine.stop()
-        self.reward_runner.close()
+        if self.reward_runner is not None:
+            self.reward_runner.close()
         self.tracker.close()

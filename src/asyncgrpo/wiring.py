@@ -1,7 +1,8 @@
 """Build a `Pipeline` from a `RunConfig` and optional user objects.
 
 Config names are resolved here: the model (`smollm2-135m`, a directory, a hub
-id), the dataset spec, the reward functions (built-in names or dotted paths).
+id), the dataset spec, the reward functions (built-in names or dotted paths), an agent rollout
+(`agent.rollout`, a dotted path, or `rollout_func=`: groups of episodes instead).
 Objects passed by the Python API (`AsyncGRPOTrainer(model=..., reward_funcs=...,
 train_dataset=...)`) take precedence over the config's names.
 """
@@ -42,6 +43,7 @@ def build_pipeline(
     reward_funcs: list | None = None,
     train_dataset: Any = None,
     eval_dataset: Any = None,
+    rollout_func: Any = None,
 ) -> Pipeline:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -66,7 +68,10 @@ def build_pipeline(
         train_dataset, loaded_eval = load_prompts(cfg.dataset, cfg.seed)
         eval_dataset = eval_dataset if eval_dataset is not None else loaded_eval
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
-    if not funcs:
+    agent = rollout_func is not None or cfg.agent.rollout is not None
+    if agent and len(cfg.advantage.reward_weights or [1.0]) != 1:
+        raise ValueError("advantage.reward_weights: an agent run has one reward (the rollout's)")
+    if not funcs and not agent:
         raise ValueError("no reward functions: set `rewards:` in the recipe or pass reward_funcs")
     tracker = MetricsTracker(
         run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
@@ -78,7 +83,8 @@ def build_pipeline(
         tokenizer=tokenizer,
         train_rows=train_dataset,
         eval_rows=eval_dataset,
-        reward_runner=RewardRunner(funcs),
+        reward_runner=RewardRunner(funcs) if funcs else None,
         tracker=tracker,
         run_dir=run_dir,
+        rollout_func=rollout_func,
     )

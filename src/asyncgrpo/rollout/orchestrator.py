@@ -12,6 +12,10 @@ When a weight sync aborts requests in flight (`sync_mode: abort`), the partial
 completion is resumed from its own tokens (prompt + partial ids as the new
 prompt), keeping the version of every token, as AReaL's interruptible
 generation does.
+
+Agent runs pass `build_group` (`rollout/episodes.py`): a group is then made of
+whole episodes run through the episode gateway, and a `GroupDropped` it raises
+releases the quota under its own reason (`infra_error`, `degenerate`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 
 from asyncgrpo.client.retry import EngineHTTPError
 from asyncgrpo.coordinator.buffer import BufferClosed, RolloutBuffer
+from asyncgrpo.rollout.episodes import GroupDropped
 from asyncgrpo.rollout.prompts import PromptStream
 from asyncgrpo.rollout.types import Group, Rollout
 
@@ -63,6 +68,7 @@ class Orchestrator:
         filter_zero_variance: bool = True,
         max_concurrent_groups: int | None = None,
         on_reward_error: str = "drop_group",
+        build_group: Callable[[int, int, dict], Any] | None = None,
     ):
         self.client = client
         self.buffer = buffer
@@ -74,6 +80,7 @@ class Orchestrator:
         self.settings = settings
         self.filter_zero_variance = filter_zero_variance
         self.on_reward_error = on_reward_error
+        self.build_group = build_group or self._build_group  # async (id, position, row) -> Group
         self._limit = asyncio.Semaphore(max_concurrent_groups) if max_concurrent_groups else None
         self._next_group_id = 0
         self._tasks: set[asyncio.Task] = set()
@@ -111,9 +118,11 @@ class Orchestrator:
         try:
             if self._limit:
                 async with self._limit:
-                    group = await self._build_group(group_id, position, row)
+                    group = await self.build_group(group_id, position, row)
             else:
-                group = await self._build_group(group_id, position, row)
+                group = await self.build_group(group_id, position, row)
+            if self.build_group != self._build_group:
+                self.generated_tokens += sum(r.num_sampled for r in group.rollouts)
             if group.zero_variance and self.filter_zero_variance:
                 outcome = "zero_variance"
             else:
@@ -124,6 +133,9 @@ class Orchestrator:
             raise
         except PromptTooLong:
             outcome = "prompt_too_long"
+        except GroupDropped as exc:
+            outcome = exc.reason
+            self._log_first(outcome, exc)
         except RewardFailure as exc:
             outcome = "reward_error"
             self._log_first(outcome, exc)

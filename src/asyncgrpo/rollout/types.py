@@ -3,6 +3,11 @@
 Training reads these exact ids and log-probs (never re-tokenised text), and the
 coordinator reads `min_version` — the oldest token of the group — to bound and
 measure staleness.
+
+Agent episodes (`rollout/episodes.py`) put tool results, later user turns and
+template scaffolding inside the completion: those tokens have
+`completion_mask` 0, log-prob 0.0 and version −1 (they were not sampled), and
+carry no loss; `min_version` ignores them.
 """
 
 from __future__ import annotations
@@ -24,10 +29,19 @@ class Rollout:
     rewards: list[float | None] = field(default_factory=list)  # one per reward function
     reward: float = float("nan")  # combined reward (NaN: masked)
     advantage: float = 0.0
+    completion_mask: list[int] | None = None  # 1 where sampled (carries loss); None: all ones
 
     @property
     def min_version(self) -> int:
-        return min(self.versions) if self.versions else 0
+        sampled = [v for v in self.versions if v >= 0]  # −1: inserted, not sampled
+        return min(sampled) if sampled else 0
+
+    @property
+    def num_sampled(self) -> int:
+        """Completion tokens the engine sampled (the ones that carry loss)."""
+        if self.completion_mask is None:
+            return len(self.completion_ids)
+        return sum(self.completion_mask)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from asyncgrpo.tasks.arithmetic import (
     number_only_reward,
     short_arithmetic_reward,
 )
+from asyncgrpo.tasks.calculator import calculator_answer_reward, calculator_rows
 from asyncgrpo.tasks.repeat import repeat_word_reward, repeat_word_rows
 from asyncgrpo.tasks.word_count import word_count_reward, word_count_rows
 
@@ -42,6 +43,7 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "arithmetic": arithmetic_rows,
     "word_count": word_count_rows,
     "repeat_word": repeat_word_rows,
+    "calculator": calculator_rows,  # a tool-use task: recipes/calculator.yaml (agent rollout)
 }
 """Generators `f(count, seed, **task_kwargs) -> list[dict]` by task name."""
 
@@ -51,6 +53,7 @@ REWARDS: dict[str, Callable] = {
     "number_only_reward": number_only_reward,
     "word_count_reward": word_count_reward,
     "repeat_word_reward": repeat_word_reward,
+    "calculator_answer_reward": calculator_answer_reward,
 }
 """Reward functions by name (the names recipes use in `rewards:`)."""
 

@@ -1,7 +1,8 @@
 """One optimizer step on a batch of scored groups: advantages, packed log-probs, loss.
 
 The trainer never re-tokenises: each sequence is the engine's prompt ids plus
-its sampled ids, and only the sampled ids carry loss. Advantages are computed
+its sampled ids, and only the sampled ids carry loss (an agent sample's tool results
+and template tokens inside the completion have `completion_mask` 0). Advantages are computed
 here, over the whole batch, with the same function the orchestrator used to
 flag zero-variance groups, so streaming and batch scoring cannot disagree
 (`scale_rewards: batch` needs the batch anyway).
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncgrpo.rollout.types import Group
+from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.trainer.advantages import AdvantageConfig, compute_advantages
 from asyncgrpo.trainer.losses import LossConfig, LossInputs, compute_loss
 from asyncgrpo.trainer.packing import (
@@ -110,7 +111,7 @@ class PolicyTrainer:
         advantages = self.advantages(groups)
         sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
         prompt_lengths = [len(r.prompt_ids) for r in rollouts]
-        completion_tokens = sum(len(r.completion_ids) for r in rollouts)
+        completion_tokens = sum(r.num_sampled for r in rollouts)  # loss tokens only
         counts = dict(
             num_global_tokens=float(max(completion_tokens, 1)),
             num_batch_tokens=float(max(completion_tokens, 1)),
@@ -138,6 +139,7 @@ class PolicyTrainer:
                     with_entropy=True,
                 )
             logprobs, mask = pad_ragged([lp.float() for lp in out.logprobs])  # (B, T)
+            mask = mask * sampled_mask([rollouts[i] for i in micro], mask.shape[1])  # (B, T)
             engine, _ = pad_ragged([rollouts[i].logprobs for i in micro])  # (B, T)
             entropy, _ = pad_ragged([e.detach().float() for e in out.entropy])
             inputs = LossInputs(
@@ -182,3 +184,19 @@ class PolicyTrainer:
         """(name, tensor) pairs to publish to the engine (state_dict names)."""
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach().to(dtype) if dtype is not None else tensor.detach()
+
+
+def sampled_mask(rollouts: list[Rollout], width: int) -> torch.Tensor:
+    """(B, width) 1.0 on completion tokens the engine sampled, 0.0 on inserted ones and padding.
+
+    Agent samples carry tool results and template tokens inside the completion
+    (`Rollout.completion_mask` 0, behaviour log-prob 0.0): they are never trained on,
+    and the corrections never see their placeholder log-probs.
+    """
+    masks, _ = pad_ragged(
+        [
+            r.completion_mask if r.completion_mask is not None else [1] * len(r.completion_ids)
+            for r in rollouts
+        ]
+    )  # (B, T)
+    return torch.nn.functional.pad(masks, (0, width - masks.shape[1]))
