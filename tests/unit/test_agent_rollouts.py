@@ -243,3 +243,23 @@ def test_reward_functions_grade_the_final_reply_as_metrics_only():
     assert [r.rewards for r in group.rollouts] == [[1.0], [0.0]]  # the rollout's reward
     assert b.stats.take()["final_ends_in_13"] == 1.0
     graders.close()
+
+
+def test_calculator_tool_evaluates_arithmetic_and_refuses_everything_else():
+    from asyncgrpo.agents.tools import ToolBox
+    from asyncgrpo.tasks.calculator import calculator, calculator_rows, contains_answer
+
+    assert calculator("347 * 58") == "20126" and calculator("(1 + 2) / 4") == "0.75"
+    assert calculator("-3 + 10 / 2") == "2"
+    for bad in ['__import__("os")', "2 ** 100", "a + 1", "1 / 0", "[1, 2]", "9" * 20, "1" * 300]:
+        with pytest.raises(ValueError):
+            calculator(bad)
+    box = ToolBox([calculator])  # through the tool box the model's mistakes are text, counted
+    call = {"function": {"name": "calculator", "arguments": '{"expression": "open(1)"}'}}
+    assert asyncio.run(box.call(call)).startswith("Error: calculator raised ValueError")
+    assert box.errors == {"exception": 1}
+    for row in calculator_rows(20, 0, kind="mixed"):
+        a = row["expression"]
+        assert row["answer"] == calculator(a) and a in row["prompt"][0]["content"]
+    assert contains_answer("so 347 * 58 = 20,126.", "20126")
+    assert not contains_answer("347 * 58 = 20125", "20126")
