@@ -87,6 +87,8 @@ def resolve_model(name: str = DEFAULT_MODEL) -> Path:
                 f"{path} is not a Hugging Face model directory (no config.json)"
             )
         return path
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        raise ModelNotFoundError(f"model directory not found: {path}")
     cached = _hub_cache_snapshot(name)
     if cached is not None:
         return cached
@@ -175,7 +177,7 @@ def _file_lock(path: Path):
 
 def _hub_cache_snapshot(name: str) -> Path | None:
     """The local snapshot of hub id `name` if the Hugging Face cache already holds one."""
-    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+    if name.count("/") != 1:
         return None
     try:
         from huggingface_hub import snapshot_download

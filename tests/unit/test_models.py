@@ -19,6 +19,11 @@ def test_local_directory_is_returned_as_is(tmp_path):
     assert resolve_model(str(tmp_path)) == tmp_path
 
 
+def test_missing_directory_is_named(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="model directory not found: .*no-such-dir"):
+        resolve_model(str(tmp_path / "no-such-dir"))
+
+
 def test_directory_without_config_is_refused(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         resolve_model(str(tmp_path))
