@@ -19,12 +19,14 @@ only, so padded vs packed isolates the layout. tokens/s counts real tokens
 (prompt + completion of every sequence, as if unshared, no padding). Each
 timed step runs in its own fresh subprocess (after a tiny warm-up step), and the
 variants take turns, repeat by repeat, so drifts in machine load hit all alike;
-the table shows the median step. "peak RSS" is that process's `ru_maxrss`
+the table shows the median step (tok/s = real tokens / median), the fastest
+step (least disturbed by other load) and the median CPU time of the step
+(all threads; less sensitive to a shared machine than wall time). "peak RSS" is that process's `ru_maxrss`
 (weights, gradients and the step's activations; weights and gradients are the
 same for every variant), max over repeats; "step Δ" is peak minus the RSS after
 loading the model, i.e. what the training step added at its peak.
 
-    .venv/bin/python benchmarks/train_step_packing.py            # defaults below
+    .venv/bin/python benchmarks/train_step_packing.py   # 16 seqs = 2 groups x 8
     .venv/bin/python benchmarks/train_step_packing.py --groups 8 --completion-max 256
 """
 
@@ -183,16 +185,17 @@ def run_worker(args) -> dict:
     seqs, prompts, groups, advantages = make_batch(args, model.config.vocab_size)
     tiny = [s[: p + 4] for s, p in zip(seqs[:2], prompts)], prompts[:2], groups[:2], advantages
     train_step(model, args.worker, tiny, args.token_budget)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     forwarded = train_step(
         model, args.worker, (seqs, prompts, groups, advantages), args.token_budget
     )
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return dict(
         model=source,
         real_tokens=sum(len(s) for s in seqs),
         forwarded_tokens=forwarded,
         step_s=elapsed,
+        cpu_s=cpu,
         base_rss_mb=base_rss,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: kB
     )
@@ -216,7 +219,10 @@ def summarize(variant: str, runs: list[dict]) -> dict:
         real_tokens=runs[0]["real_tokens"],
         forwarded_tokens=runs[0]["forwarded_tokens"],
         step_times_s=[r["step_s"] for r in runs],
+        cpu_times_s=[r["cpu_s"] for r in runs],
         median_s=median,
+        min_s=min(r["step_s"] for r in runs),
+        median_cpu_s=statistics.median(r["cpu_s"] for r in runs),
         tokens_per_s=runs[0]["real_tokens"] / median,
         base_rss_mb=base,
         peak_rss_mb=peak,
@@ -226,15 +232,22 @@ def summarize(variant: str, runs: list[dict]) -> dict:
 
 def print_table(results: list[dict]) -> None:
     base = next((r for r in results if r["variant"] == "padded"), results[0])
-    head = f"{'variant':<14}{'fwd tok':>9}{'median s':>10}{'tok/s':>8}{'speedup':>9}"
-    print(head + f"{'peak RSS MB':>13}{'step Δ MB':>11}")
+    print(
+        f"{'variant':<14}{'fwd tok':>8}{'median s':>9}{'tok/s':>7}{'speedup':>8}"
+        f"{'min s':>7}{'CPU s':>7}{'peak RSS MB':>12}{'step Δ MB':>10}"
+    )
     for r in results:
         speedup = r["tokens_per_s"] / base["tokens_per_s"]
         print(
-            f"{r['variant']:<14}{r['forwarded_tokens']:>9}{r['median_s']:>10.2f}"
-            f"{r['tokens_per_s']:>8.1f}{speedup:>8.2f}x{r['peak_rss_mb']:>13.0f}"
-            f"{r['step_delta_mb']:>11.0f}"
+            f"{r['variant']:<14}{r['forwarded_tokens']:>8}{r['median_s']:>9.1f}"
+            f"{r['tokens_per_s']:>7.1f}{speedup:>7.2f}x{r['min_s']:>7.1f}{r['median_cpu_s']:>7.1f}"
+            f"{r['peak_rss_mb']:>12.0f}{r['step_delta_mb']:>10.0f}"
         )
+    for r in results:
+        if r is not base:
+            paired = [b / t for b, t in zip(base["step_times_s"], r["step_times_s"], strict=True)]
+            print(f"{r['variant']}: per-round speedup vs {base['variant']}: "
+                  + ", ".join(f"{x:.2f}x" for x in paired))  # fmt: skip
 
 
 def main(argv=None) -> None:
