@@ -3,7 +3,9 @@
 It reads an asyncgrpo recipe and maps it onto `GRPOConfig` field by field (group
 size, completion length, temperature, batch of completions per step, learning
 rate and schedule, clipping, aggregation, reward scaling; no KL, one
-optimizer step per generation batch, as asyncgrpo does). Held-out reward is
+optimizer step per generation batch, as asyncgrpo does; bf16 autocast when
+the recipe's trainer uses it; gradient checkpointing off, TRL's best case for
+a model this small). Held-out reward is
 measured the way asyncgrpo measures it — greedy completions of the eval rows,
 scored by the same reward functions — from a callback whose time is excluded
 from the training clock. It writes `metrics.jsonl` in asyncgrpo's format, so
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     trl_args = GRPOConfig(
         output_dir=str(out / "trl"),
         use_cpu=True,
-        bf16=False,
+        bf16=cfg.trainer.bf16_autocast,  # autocast on CPU, as asyncgrpo's trainer
+        gradient_checkpointing=False,  # TRL turns it on; a 135M model does not need it
         seed=cfg.seed,
         max_steps=10**6,
         learning_rate=cfg.trainer.learning_rate,
