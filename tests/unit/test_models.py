@@ -89,8 +89,7 @@ def test_conversion_happens_once_and_is_reused(converted, monkeypatch):
 
 
 def test_converted_checkpoint_is_a_plain_float_model_with_a_chat_tokenizer(converted):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     target = converted[1][0]
     config = json.loads((target / "config.json").read_text())
@@ -106,6 +105,16 @@ def test_converted_checkpoint_is_a_plain_float_model_with_a_chat_tokenizer(conve
     assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer("12345")["input_ids"] == [33, 34, 35, 36, 37]  # one token per digit
 
+
+@pytest.mark.slow
+def test_converted_model_answers_a_chat_question(converted):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = converted[1][0]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     inputs = tokenizer(prompt, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
