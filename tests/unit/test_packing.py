@@ -138,6 +138,14 @@ def test_shared_prefix_layout_stores_the_prompt_once_and_continues_positions():
     assert not mask[6, :6].any() and mask[7, 6:].all()
 
 
+def test_sequences_without_completion_tokens_get_empty_logprobs(models):
+    _, packed = models
+    out = packed_token_logprobs(packed, [[1, 2, 3], [1, 2, 3]], [3, 3], with_entropy=True)
+    assert [len(x) for x in out.logprobs + out.entropy] == [0, 0, 0, 0]
+    mixed = packed_token_logprobs(packed, [[1, 2, 3], [1, 2, 3, 4]], [3, 3])
+    assert [len(x) for x in mixed.logprobs] == [0, 1]
+
+
 def test_prompt_lengths_are_validated():
     with pytest.raises(ValueError, match="prompt_lengths\\[0\\]"):
         pack_sequences([[1, 2]], [0])

@@ -218,6 +218,9 @@ def packed_token_logprobs(
     the dense block mask and works with any 4D-mask implementation (sdpa, eager).
     """
     packed = pack_sequences(seqs, prompt_lengths, share_prefix)
+    if packed.rows.numel() == 0:  # no completion tokens: nothing to forward
+        empty = [torch.zeros(0) for _ in seqs]
+        return PackedLogProbs(logprobs=empty, entropy=list(empty) if with_entropy else None)
     forward = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
     if attention == "segments":
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
