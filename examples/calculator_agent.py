@@ -16,9 +16,9 @@ Reward, a ladder (see `recipes/calculator.yaml` for the base rates behind it):
 1.0 when the final answer contains the right number; else 0.5 when a tool call
 returned the right number (the right expression); else 0.3 when a tool call ran
 (well-formed, a valid expression); else 0.1 when a reply at least attempted a
-`<tool_call>` block; else 0. Untrained, the model attempts a call in ~30% of
-episodes but completes one in ~5%, so only the lower rungs give every group
-some variance. `Result.info` carries the separate flags, averaged by the evaluation.
+`<tool_call>` block; else 0. Untrained, the model attempts a call in 16-30% of
+episodes but completes one in 5-9% and is right in ~6%, so the lower rungs are
+what gives most groups some variance. `Result.info` carries the separate flags, averaged by the evaluation.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from examples.calculator_agent import MAX_TURNS, rollout  # noqa: E402
 
 async def measure(base_url: str, token: str, rows: list[dict], per_task: int) -> None:
     client = EngineClient(base_url, admin_token=token)
+    busy_before = (await client.server_info()).get("stats", {}).get("busy_seconds", 0.0)
     start = time.monotonic()
     groups = await asyncio.gather(
         *[
@@ -39,6 +40,8 @@ async def measure(base_url: str, token: str, rows: list[dict], per_task: int) ->
             for row in rows
         ]
     )
+    wall = time.monotonic() - start
+    busy = (await client.server_info()).get("stats", {}).get("busy_seconds", 0.0) - busy_before
     outcomes = [o for g in groups for o in g]
     info = [o.info for o in outcomes]
 
@@ -50,7 +53,9 @@ async def measure(base_url: str, token: str, rows: list[dict], per_task: int) ->
     reasons: dict[str, int] = {}
     for o in outcomes:
         reasons[o.stop_reason.value] = reasons.get(o.stop_reason.value, 0) + 1
-    print(f"episodes {len(outcomes)} in {time.monotonic() - start:.0f}s; stop reasons {reasons}")
+    print(f"episodes {len(outcomes)} in {wall:.0f}s (engine busy {busy:.0f}s); {reasons}")
+    seconds = sorted(o.info["seconds"] for o in outcomes)
+    print(f"episode seconds: median {seconds[len(seconds) // 2]:.1f}, max {seconds[-1]:.1f}")
     print(
         f"tool call ran {frac('tool_ran'):.3f}  right tool result {frac('right_tool_result'):.3f}"
         f"  answered {frac('answered'):.3f}  correct {frac('correct'):.3f}"
