@@ -147,6 +147,7 @@ class Pipeline:
         )
         self._rollouts = None
         self._eval_future = None
+        self._last_eval_step: int | None = None
         self.start_time = time.monotonic()
         self.weight_sync_s = 0.0
         self._last = {"time": time.monotonic(), "t_run": 0.0, "gen_tokens": 0}
@@ -335,11 +336,13 @@ class Pipeline:
         The evaluation runs on the rollout loop with the engine's current weights; its
         result is logged (with the step it started at) once it is done. `final` waits.
         """
-        self._collect_eval(block=False)
+        self._collect_eval(block=final)  # the final evaluation waits for one in flight
         if self.eval_rows is None:
             return
-        if self._eval_future is None and (final or self.step % self.cfg.eval_steps == 0):
+        due = final or self.step % self.cfg.eval_steps == 0
+        if self._eval_future is None and due and self._last_eval_step != self.step:
             self._eval_future = (self.step, self.loop.submit(self.evaluate()))
+            self._last_eval_step = self.step
         if final:
             self._collect_eval(block=True)
 

@@ -126,7 +126,9 @@ class PolicyTrainer:
             torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.bf16_autocast else nullcontext()
         )
         lengths = [len(s) for s in sequences]
-        for micro in plan_micro_batches(lengths, self.cfg.micro_batch_tokens):
+        # a group's samples stay in one micro-batch, so their shared prompt is computed once
+        group_of = [g.group_id for g in groups for _ in g.rollouts]
+        for micro in plan_micro_batches(lengths, self.cfg.micro_batch_tokens, groups=group_of):
             micro = [i for i in micro if len(rollouts[i].completion_ids) > 0]
             if not micro:
                 continue
