@@ -54,7 +54,6 @@ from asyncgrpo.agents.trajectory import (
 from asyncgrpo.engine.types import EngineError
 from asyncgrpo.server import openai_routes
 from asyncgrpo.server.control_routes import require_admin
-from asyncgrpo.server.generation import GenerationJob
 from asyncgrpo.server.protocol import ChatCompletionRequest
 
 RETRY_HEADER = "x-stainless-retry-count"
@@ -359,17 +358,7 @@ async def run_turn(request: Request, episode: Episode, body: ChatCompletionReque
             )
         except Exception as exc:  # jinja errors, templates that raise on bad roles, ...
             raise EngineError(f"cannot render the chat template: {exc}") from None
-        max_tokens = body.requested_max_tokens() or max(1, engine.max_model_len - len(prompt))
-        params = body.sampling_params(max_tokens, body.top_logprobs_count())
-        job = GenerationJob(
-            engine,
-            [prompt],
-            params,
-            id_prefix="chatcmpl",
-            skip_special_tokens=body.skip_special_tokens,
-            include_stop=body.include_stop_str_in_output,
-        )
-        job.check()
+        job = openai_routes.chat_job(engine, body, prompt)
         choices = await job.run()
         if episode.closed:
             raise EngineError(f"episode {episode.id} is closed", 409)

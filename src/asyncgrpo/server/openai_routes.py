@@ -132,11 +132,8 @@ def stream_of(response: dict, include_usage: bool) -> EventStream:
     return EventStream(events())
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    engine = request.app.state.engine
-    check_model(request, body.model)
-    prompt = chat_prompt_ids(engine.tokenizer, body)
+def chat_job(engine, body: ChatCompletionRequest, prompt: list[int]) -> GenerationJob:
+    """The checked generation job of a chat request whose prompt is already rendered."""
     max_tokens = body.requested_max_tokens() or max(1, engine.max_model_len - len(prompt))
     params = body.sampling_params(max_tokens, body.top_logprobs_count())
     job = GenerationJob(
@@ -148,6 +145,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         include_stop=body.include_stop_str_in_output,
     )
     job.check()
+    return job
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    engine = request.app.state.engine
+    check_model(request, body.model)
+    prompt = chat_prompt_ids(engine.tokenizer, body)
+    job = chat_job(engine, body, prompt)
     token_text = fmt.TokenText(engine.tokenizer)
     if body.stream and not body.tools:
         return EventStream(_chat_events(job, body, served_name(request), token_text))
