@@ -61,3 +61,32 @@ def test_seeded_rows_reproduce():
     a = sample(logits, [RowParams(1.0, 1.0, 0, torch.Generator().manual_seed(7), 0)] * 3)
     b = sample(logits, [RowParams(1.0, 1.0, 0, torch.Generator().manual_seed(7), 0)] * 3)
     assert a.tokens == b.tokens
+
+
+def test_large_vocab_across_cdf_blocks_matches_reference():
+    """Mass at block edges (1024-entry blocks), a partial last block, and top-k filtering."""
+    vocab = 2500
+    logits = [-4.0] * vocab
+    favourites = {1023: 2.0, 1024: 1.5, 2047: 1.0, 2048: 0.5, 2499: 1.2, 0: 0.8}
+    for i, v in favourites.items():
+        logits[i] = v
+    for top_k in (0, 4):
+        ref = processed_distribution(logits, 1.0, top_k, 1.0)
+        n = 3000
+        gen = torch.Generator().manual_seed(1)
+        out = sample(torch.tensor([logits] * n), [RowParams(1.0, 1.0, top_k, gen, 0)] * n)
+        counts = {}
+        for tok, lp in zip(out.tokens, out.logprobs):
+            assert tok in ref, "a filtered-out token was drawn"
+            assert abs(lp - math.log(ref[tok])) < 1e-5
+            counts[tok] = counts.get(tok, 0) + 1
+        for tok in favourites:
+            p = ref.get(tok, 0.0)
+            assert abs(counts.get(tok, 0) - n * p) < 5 * math.sqrt(n * p * (1 - p)) + 1
+
+
+def test_logits_are_not_modified():
+    logits = torch.randn(4, 3000)
+    before = logits.clone()
+    sample(logits, [RowParams(0.7, 0.9, 50, None, 3)] * 2 + [RowParams(0.0, 1.0, 0, None, 0)] * 2)
+    assert torch.equal(logits, before)
