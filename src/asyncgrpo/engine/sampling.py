@@ -82,9 +82,7 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> SampleOutput:
         work[:, :vocab] = logits
     greedy = [i for i, r in enumerate(rows) if r.temperature == 0]
     filtered = [
-        i
-        for i, r in enumerate(rows)
-        if r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0)
+        i for i, r in enumerate(rows) if r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0)
     ]
     if filtered:
         idx = torch.tensor(filtered)
