@@ -162,6 +162,8 @@ def test_pause_modes_and_weight_update(tiny_model_dir, reference):
     eng.start()
     prompt = prompt_ids(eng, "Hello, world!")
     new_state = {k: v * 1.05 for k, v in reference.state_dict().items()}
+    updated = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    updated.load_state_dict(new_state)
 
     async def scenario():
         before = (await collect(eng, prompt, max_tokens=8, temperature=0, ignore_eos=True))[0]
@@ -181,6 +183,9 @@ def test_pause_modes_and_weight_update(tiny_model_dir, reference):
         assert kept["v"][0] == 0 and kept["v"][-1] == 1 and kept["v"] == sorted(kept["v"])
         after = (await collect(eng, prompt, max_tokens=8, temperature=0, ignore_eos=True))[0]
         assert after["v"] == [1] * 8 and after["lp"] != before["lp"]
+        # the engine computes with the new weights exactly (its packed copies were rebuilt)
+        ref = reference_logprobs(updated, prompt, after["ids"])
+        assert max(abs(a - b) for a, b in zip(ref, after["lp"])) < 1e-4
         # abort: partial output, finish_reason "abort".
         task = asyncio.create_task(
             collect(eng, prompt, max_tokens=400, temperature=1.0, ignore_eos=True)

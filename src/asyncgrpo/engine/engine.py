@@ -317,6 +317,7 @@ class Engine:
                     # round to the weight dtype first: a bf16 model stays a bf16 model
                     # even when the engine computes in fp32
                     self._params[name].copy_(tensor.to(self.dtype))
+            self.runner.weights_changed()
             if version is not None:
                 self.weight_version = int(version)
 

@@ -17,6 +17,9 @@ rotary tables and norms — and runs a lean forward over a preallocated cache:
   one small batched matmul per layer without repeating keys and values.
 - The capacity (length dimension) grows on demand, so a short workload with many
   sequences does not pay for the full context length in memory.
+- Matmuls use weights prepacked by oneDNN into its blocked layout where PyTorch
+  has oneDNN (measured at batch 32, one thread: LM head 53 -> 33 ms, MLP 15%
+  faster). The packed copies are rebuilt lazily after a weight update.
 
 Architectures: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norms). Others are
 refused with a clear error rather than run subtly wrong.
@@ -53,16 +56,54 @@ def _fuse_rows(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
-class _Layer:
-    """References to one decoder layer's (fused) weights."""
+PACK_BATCH_HINT = 32  # the batch size oneDNN tunes the packed layout for (any size works)
 
-    def __init__(self, layer: torch.nn.Module):
+
+class _Linear:
+    """y = x W^T + b with W prepacked by oneDNN when possible, plain F.linear otherwise.
+
+    `weight` stays the model's own storage (updates are copied into it); call
+    `pack()` after it changes.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, use_onednn: bool):
+        self.weight, self.bias = weight, bias
+        self.packed: torch.Tensor | None = None
+        self.use_onednn = use_onednn
+        self.pack()
+
+    def pack(self) -> None:
+        if self.use_onednn:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_BATCH_HINT)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def onednn_linear_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can run packed linears of this dtype on this CPU (fp32: any x86/ARM)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight, x = torch.zeros(8, 8, dtype=dtype), torch.ones(2, 8, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2)
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return True
+
+
+class _Layer:
+    """One decoder layer's (fused) linear layers and norms."""
+
+    def __init__(self, layer: torch.nn.Module, use_onednn: bool):
         attn, mlp = layer.self_attn, layer.mlp
-        self.w_qkv, self.b_qkv = _fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.w_o = attn.o_proj.weight
-        self.b_o = attn.o_proj.bias
-        self.w_gate_up, _ = _fuse_rows(mlp.gate_proj, mlp.up_proj)
-        self.w_down = mlp.down_proj.weight
+        self.qkv = _Linear(*_fuse_rows(attn.q_proj, attn.k_proj, attn.v_proj), use_onednn)
+        self.o = _Linear(attn.o_proj.weight, attn.o_proj.bias, use_onednn)
+        self.gate_up = _Linear(_fuse_rows(mlp.gate_proj, mlp.up_proj)[0], None, use_onednn)
+        self.down = _Linear(mlp.down_proj.weight, None, use_onednn)
         self.input_norm = layer.input_layernorm
         self.post_norm = layer.post_attention_layernorm
         self.q_norm = getattr(attn, "q_norm", None)
@@ -102,8 +143,10 @@ class ModelRunner:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm
-        self.lm_head = model.lm_head.weight
-        self.layers = [_Layer(layer) for layer in inner.layers]
+        use_onednn = onednn_linear_available(self.dtype)
+        self.lm_head = _Linear(model.lm_head.weight, None, use_onednn)
+        self.layers = [_Layer(layer, use_onednn) for layer in inner.layers]
+        self._weights_changed = False
         positions = torch.arange(max_model_len).unsqueeze(0)
         probe = torch.zeros(1, dtype=torch.float32)
         with torch.no_grad():
@@ -114,6 +157,18 @@ class ModelRunner:
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.ensure_capacity(min(256, max_model_len))
+
+    def weights_changed(self) -> None:
+        """The model's weights were updated in place: repack before the next forward."""
+        self._weights_changed = True
+
+    def _refresh(self) -> None:
+        if self._weights_changed:
+            self._weights_changed = False
+            for layer in self.layers:
+                for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                    linear.pack()
+            self.lm_head.pack()
 
     # ---- cache management -------------------------------------------------
 
@@ -157,7 +212,7 @@ class ModelRunner:
         """
         n, t, _ = h.shape
         x = _rms_norm(h, layer.input_norm)
-        qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
+        qkv = layer.qkv(x)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -173,13 +228,13 @@ class ModelRunner:
         return q, k, v.transpose(1, 2)
 
     def _mlp_residual(self, layer: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        h = h + F.linear(attn, layer.w_o, layer.b_o)
+        h = h + layer.o(attn)
         x = _rms_norm(h, layer.post_norm)
-        gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, layer.w_down)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return h + layer.down(F.silu(gate) * up)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(_rms_norm(h, self.final_norm), self.lm_head).float()
+        return self.lm_head(_rms_norm(h, self.final_norm)).float()
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -188,6 +243,7 @@ class ModelRunner:
         tokens, positions: (B,) long — the newest token of each sequence and its position.
         Returns float32 logits (B, V) for the next token.
         """
+        self._refresh()
         b = tokens.shape[0]
         length = int(positions.max()) + 1
         self.ensure_capacity(length)
@@ -217,6 +273,7 @@ class ModelRunner:
         that slot's cached positions before `starts[r]`. Returns float32 logits (R, V) of each
         chunk's last token.
         """
+        self._refresh()
         n = len(chunks)
         lengths = [len(c) for c in chunks]
         t = max(lengths)
