@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="name for /v1/models")
     serve.add_argument("--num-threads", type=int, default=None, help="torch threads")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together")
+    serve.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens whose keys/values are kept for prompts sharing a prefix (0: off)",
+    )
     serve.add_argument("--max-model-len", type=int, default=None, help="context limit")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--max-body-mb", type=float, default=16, help="request body limit")
@@ -115,6 +121,7 @@ def serve(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len,
+                prefix_cache_tokens=args.prefix_cache_tokens,
                 num_threads=args.num_threads,
                 seed=args.seed,
             )

@@ -51,6 +51,9 @@ class EngineSection(Section):
     """Sequences the embedded engine decodes together (KV-cache slots)."""
     max_model_len: int = Field(1024, ge=16)
     """Context limit (prompt + completion) of the embedded engine."""
+    prefix_cache_tokens: int = Field(4096, ge=0)
+    """Prompt tokens whose keys and values the embedded engine keeps for later prompts
+    with the same prefix (system prompts, agent conversations); 0 turns it off."""
     startup_timeout_s: float = Field(600.0, gt=0)
     """How long to wait for the engine to become healthy (model load included)."""
 

@@ -164,6 +164,7 @@ class Pipeline:
             num_threads=e.num_threads,
             max_num_seqs=e.max_num_seqs,
             max_model_len=e.max_model_len,
+            prefix_cache_tokens=e.prefix_cache_tokens,
             log_path=self.run_dir / "engine.log",
         )
 

@@ -160,7 +160,8 @@ def test_max_tokens_clipped_to_context(engine):
 def test_pause_modes_and_weight_update(tiny_model_dir, reference):
     eng = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4))
     eng.start()
-    prompt = prompt_ids(eng, "Hello, world!")
+    # long enough for cached prefix blocks, which must not outlive the old weights
+    prompt = prompt_ids(eng, "Hello, world! " * 12)
     new_state = {k: v * 1.05 for k, v in reference.state_dict().items()}
     updated = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     updated.load_state_dict(new_state)

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncgrpo.engine.prefix_cache import BLOCK as PREFIX_BLOCK
+from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.runner import ModelRunner
 from asyncgrpo.engine.sampling import RowParams, sample
 from asyncgrpo.engine.types import EngineError, PauseMode, SamplingParams, TokenDelta
@@ -76,6 +78,10 @@ class EngineConfig:
     """Longest prompt piece prefilled in one step; longer prompts take several steps."""
     prefill_token_budget: int = 2048
     """Most (padded) prompt tokens prefilled in one step, across requests."""
+    prefix_cache_tokens: int = 4096
+    """Prompt tokens whose keys and values are kept for reuse by later prompts with the
+    same prefix (system prompts, multi-turn conversations); 0 turns the cache off.
+    Costs `prefix_cache_tokens` positions of KV memory."""
 
 
 @dataclass(eq=False)
@@ -135,6 +141,9 @@ class Engine:
         self.vocab_size = int(model.config.vocab_size)
         self.eos_token_ids = self._eos_ids(model)
         self.runner = ModelRunner(model, config.max_num_seqs + STAGING_SLOTS, self.max_model_len)
+        self.prefix_cache = PrefixCache(self.runner, config.prefix_cache_tokens)
+        self.prompt_tokens = 0  # prompt tokens admitted
+        self.cached_prompt_tokens = 0  # of which read from the prefix cache
         self._params = dict(model.state_dict(keep_vars=True))
         self.weight_version = 0
         self._paused: PauseMode | None = None
@@ -194,6 +203,8 @@ class Engine:
             "kv_capacity": self.runner.capacity,
             "busy_seconds": round(self.busy_seconds, 3),
             "generated_tokens": self.generated_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
         }
 
     # ---- public API (asyncio side) -------------------------------------------
@@ -318,6 +329,7 @@ class Engine:
                     # even when the engine computes in fp32
                     self._params[name].copy_(tensor.to(self.dtype))
             self.runner.weights_changed()
+            self.prefix_cache.clear()  # cached keys and values belong to the old weights
             if version is not None:
                 self.weight_version = int(version)
 
@@ -425,25 +437,39 @@ class Engine:
             rows.append((request, request.staging_slot, request.prefilled, end))
         next_slot = len(self._running)
         free = self._free_decode_slots()
+        pending: set = set()  # prefix blocks this step's rows will compute
         while self._waiting and self._paused is None:
             request = self._waiting[0]
             n, length = request.params.n, len(request.prompt)
             if n > free:
                 break
-            widest = max([length] + [e - s for _, _, s, e in rows])
+            # the last prompt token is always computed: its logits start the completion
+            hits, missing = self.prefix_cache.lookup(request.prompt, length - 1)
+            if missing is not None and missing in pending:
+                break  # a row of this step computes the same blocks: reuse them next step
+            cached = len(hits) * PREFIX_BLOCK
+            remaining = length - cached
+            widest = max([remaining] + [e - s for _, _, s, e in rows])
             if rows and widest * (len(rows) + 1) > budget:
                 break
-            if length <= chunk_size:
-                rows.append((request, next_slot, 0, length))
+            if remaining <= chunk_size:
+                slot = next_slot
+                rows.append((request, slot, cached, length))
                 next_slot += n
             else:
                 used = {r.staging_slot for r in self._staging}
                 spare = [s for s in self._staging_slot_ids() if s not in used]
                 if not spare:
                     break
-                request.staging_slot = spare[0]
+                slot = request.staging_slot = spare[0]
+                request.prefilled = cached
                 self._staging.append(request)
-                rows.append((request, spare[0], 0, chunk_size))
+                rows.append((request, slot, cached, cached + chunk_size))
+            self.prefix_cache.load(hits, slot)
+            self.prompt_tokens += length
+            self.cached_prompt_tokens += cached
+            if missing is not None:
+                pending.add(missing)
             free -= n
             self._waiting.popleft()
         if not rows:
@@ -455,11 +481,13 @@ class Engine:
         )
         direct = [(i, row) for i, row in enumerate(rows) if row[0].staging_slot < 0]
         staged = [(i, row) for i, row in enumerate(rows) if row[0].staging_slot >= 0]
-        for i, (request, slot, _, _) in direct:
+        for i, (request, slot, _, end) in direct:
+            self.prefix_cache.store(request.prompt, slot, end)
             self._start_samples(request, slot, logits[i], outbox)
         for i, (request, slot, _, end) in staged:
             request.prefilled = end
             if end == len(request.prompt):
+                self.prefix_cache.store(request.prompt, slot, end)
                 self._staging.remove(request)
                 request.staging_slot = -1
                 self._start_samples(request, slot, logits[i], outbox)

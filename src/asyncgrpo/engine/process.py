@@ -66,6 +66,7 @@ class EngineProcess:
         num_threads: int | None = None,
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
+        prefix_cache_tokens: int | None = None,
         log_path: str | Path | None = None,
         extra_args: list[str] | None = None,
     ):
@@ -74,6 +75,7 @@ class EngineProcess:
         self.num_threads = num_threads
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.prefix_cache_tokens = prefix_cache_tokens
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = extra_args or []
         self.admin_token = secrets.token_urlsafe(24)
@@ -107,6 +109,8 @@ class EngineProcess:
             cmd += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.prefix_cache_tokens is not None:
+            cmd += ["--prefix-cache-tokens", str(self.prefix_cache_tokens)]
         return cmd + self.extra_args
 
     def start(self) -> None:
