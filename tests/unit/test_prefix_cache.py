@@ -91,3 +91,29 @@ def test_cache_is_bounded_lru_and_copies_exact_values(tiny_model_dir):
     cache.store(a, slot=0, length=2 * BLOCK)
     assert len(cache.lookup(c, len(c))[0]) == 1
     assert cache.lookup(a, 2 * BLOCK)[1] is None
+
+
+def test_a_finished_turn_is_reused_by_the_next_turn(tiny_model_dir):
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    eng = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4))
+    eng.start()
+    try:
+        prompt = eng.tokenizer.encode("User: plan a trip to the mountains. " * 3)
+        probe, _ = asyncio.run(collect(eng, prompt, max_tokens=48, temperature=0, ignore_eos=True))
+        # a token whose first occurrence is late in the greedy output ends the turn there
+        j = next(i for i in range(40, 0, -1) if probe[i] not in probe[:i])
+        assert j >= BLOCK, "the turn must fill at least one block beyond the prompt"
+        turn, _ = asyncio.run(
+            collect(eng, prompt, max_tokens=48, temperature=0, stop_token_ids=[probe[j]])
+        )
+        assert turn == probe[: j + 1]
+        next_prompt = prompt + turn + eng.tokenizer.encode(" Tool: 3 trails found.")
+        before = eng.stats()["cached_prompt_tokens"]
+        ids, lps = asyncio.run(collect(eng, next_prompt, max_tokens=6, seed=3, ignore_eos=True))
+        reused = eng.stats()["cached_prompt_tokens"] - before
+        # everything the first turn computed (prompt and generated tokens, but the last)
+        assert reused == ((len(prompt) + j) // BLOCK) * BLOCK
+        ref = reference_logprobs(reference, next_prompt, ids)
+        assert max(abs(a - b) for a, b in zip(ref, lps, strict=True)) < 1e-4
+    finally:
+        eng.shutdown()

@@ -106,6 +106,7 @@ class _Request:
     prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
     staging_slot: int = -1
     max_tokens: int = 0
+    weights_epoch: int = -1  # the weights its keys and values were computed with
 
 
 class Engine:
@@ -142,6 +143,7 @@ class Engine:
         self.eos_token_ids = self._eos_ids(model)
         self.runner = ModelRunner(model, config.max_num_seqs + STAGING_SLOTS, self.max_model_len)
         self.prefix_cache = PrefixCache(self.runner, config.prefix_cache_tokens)
+        self._weights_epoch = 0  # bumped by every weight update
         self.prompt_tokens = 0  # prompt tokens admitted
         self.cached_prompt_tokens = 0  # of which read from the prefix cache
         self._params = dict(model.state_dict(keep_vars=True))
@@ -330,6 +332,7 @@ class Engine:
                     self._params[name].copy_(tensor.to(self.dtype))
             self.runner.weights_changed()
             self.prefix_cache.clear()  # cached keys and values belong to the old weights
+            self._weights_epoch += 1
             if version is not None:
                 self.weight_version = int(version)
 
@@ -466,6 +469,7 @@ class Engine:
                 self._staging.append(request)
                 rows.append((request, slot, cached, cached + chunk_size))
             self.prefix_cache.load(hits, slot)
+            request.weights_epoch = self._weights_epoch
             self.prompt_tokens += length
             self.cached_prompt_tokens += cached
             if missing is not None:
@@ -487,7 +491,8 @@ class Engine:
         for i, (request, slot, _, end) in staged:
             request.prefilled = end
             if end == len(request.prompt):
-                self.prefix_cache.store(request.prompt, slot, end)
+                if request.weights_epoch == self._weights_epoch:
+                    self.prefix_cache.store(request.prompt, slot, end)
                 self._staging.remove(request)
                 request.staging_slot = -1
                 self._start_samples(request, slot, logits[i], outbox)
@@ -536,7 +541,18 @@ class Engine:
             outbox.setdefault(s.request, []).append(delta)
             if reason is not None:
                 finished.append(s)
+                if reason == "stop" and len(s.request.samples) == 1:
+                    self._cache_conversation(s)
         self._remove_samples(finished)
+
+    def _cache_conversation(self, s: _Sample) -> None:
+        """Keep a finished turn's keys and values: an agent's next prompt starts with them.
+
+        Only single-sample requests that stopped by themselves (a turn, not a truncated
+        or grouped completion), and only if no weight update happened since their prefill.
+        """
+        if s.request.weights_epoch == self._weights_epoch and s.slot >= 0:
+            self.prefix_cache.store(s.request.prompt + s.tokens, s.slot, s.cache_len)
 
     def _finish_reason(self, s: _Sample, token: int):
         p = s.request.params
