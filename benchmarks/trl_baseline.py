@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="run directory to write")
     parser.add_argument("--budget-s", type=float, required=True, help="training wall-clock budget")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="stop after this many optimizer steps"
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args(argv)
 
@@ -132,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
                         "time_s": self.elapsed(),
                         "reward_mean": reward,
                         "loss": logs.get("loss"),
+                        "grad_norm": logs.get("grad_norm"),
+                        "learning_rate": logs.get("learning_rate"),
+                        "entropy": logs.get("entropy"),
+                        "completion_len_mean": logs.get("completions/mean_length"),
+                        "clip_ratio": logs.get("clip_ratio/region_mean"),
                     }
                 )
 
@@ -149,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         bf16=cfg.trainer.bf16_autocast,  # autocast on CPU, as asyncgrpo's trainer
         gradient_checkpointing=False,  # TRL turns it on; a 135M model does not need it
         seed=cfg.seed,
-        max_steps=10**6,
+        max_steps=args.max_steps or 10**6,
         learning_rate=cfg.trainer.learning_rate,
         lr_scheduler_type=cfg.trainer.lr_schedule,
         warmup_steps=cfg.trainer.warmup_steps,
