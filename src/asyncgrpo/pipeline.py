@@ -78,7 +78,7 @@ def optim_config(cfg: RunConfig) -> OptimConfig:
         max_steps=cfg.max_steps,
         max_grad_norm=t.max_grad_norm,
         micro_batch_tokens=t.micro_batch_tokens,
-        bf16_autocast=t.bf16_autocast,
+        bf16_autocast=t.use_bf16_autocast(),
         old_logprobs=t.old_logprobs,
         temperature=cfg.rollout.temperature or 1.0,
         max_completion_length=cfg.rollout.max_tokens,
@@ -118,10 +118,14 @@ class Pipeline:
         )
         self.client = self.loop.run(self._make_client(retry))
         self.transport = make_transport("shm", self.client)
+        c = cfg.coordinator
         self.buffer = RolloutBuffer(
-            cfg.coordinator.batch_groups,
-            cfg.coordinator.max_staleness,
+            c.batch_groups,
+            c.max_staleness,
             on_drop_stale=lambda g: self.prompts.done(g.data_index),
+            max_ahead=None
+            if c.max_ahead_batches is None
+            else math.ceil(c.max_ahead_batches * c.batch_groups),
         )
         self.prompts = PromptStream(train_rows, cfg.seed)
         self.episodes = self._make_episodes(rollout_func)

@@ -30,6 +30,23 @@ def test_may_admit_counts_queued_and_in_flight():
     assert not may_admit(**kw, queued=1, in_flight=3)
 
 
+def test_look_ahead_cap_admits_less_than_the_staleness_budget():
+    kw = dict(engine_version=0, max_staleness=2, batch_groups=4, consumed=0)
+    # the staleness budget alone allows 12 groups ahead; the cap allows 6
+    assert may_admit(**kw, queued=5, in_flight=6)
+    assert may_admit(**kw, queued=2, in_flight=3, max_ahead=6)
+    assert not may_admit(**kw, queued=2, in_flight=4, max_ahead=6)
+    # the staleness budget still rules when it is the smaller one
+    assert not may_admit(**{**kw, "max_staleness": 0}, queued=0, in_flight=4, max_ahead=6)
+    buf = RolloutBuffer(batch_groups=4, max_staleness=2, max_ahead=6)
+    assert all(buf.wait_admit(0) for _ in range(6))
+    assert not buf.wait_admit(0.01)
+    for _ in range(4):
+        buf.put(G(0))
+    buf.get_batch(trainer_version=0, timeout=1)  # the trainer takes a batch: room again
+    assert buf.wait_admit(0)
+
+
 def test_stale_rule():
     assert not is_too_stale(5, 3, 2)
     assert is_too_stale(5, 2, 2)

@@ -41,6 +41,7 @@ class RolloutBuffer:
         batch_groups: int,
         max_staleness: int,
         on_drop_stale: Callable[[VersionedGroup], None] | None = None,
+        max_ahead: int | None = None,
     ):
         if batch_groups < 1:
             raise ValueError("batch_groups must be >= 1")
@@ -48,6 +49,7 @@ class RolloutBuffer:
             raise ValueError("max_staleness must be >= 0")
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
+        self.max_ahead = max_ahead  # most groups queued + in flight (see staleness.py)
         self.on_drop_stale = on_drop_stale  # e.g. mark the prompt done (it will not be trained)
         self._cond = threading.Condition()
         self._queue: deque = deque()
@@ -69,6 +71,7 @@ class RolloutBuffer:
             consumed=self.consumed,
             queued=len(self._queue),
             in_flight=self.in_flight,
+            max_ahead=self.max_ahead,
         )
 
     def wait_admit(self, timeout: float | None = None) -> bool:

@@ -17,6 +17,12 @@ the same code path. Unlike a `staleness * batch` in-flight limit (which is 0 at
 staleness 0 and stalls), the budget is never empty; filtered, failed and dropped
 groups leave `queued + in_flight` without entering `consumed`, so they release
 their quota at once and the throttle can never deadlock.
+
+The staleness bound is a ceiling, not a target. When the engine is faster than
+the trainer, filling the whole budget only makes every sample `max_staleness`
+steps old. An optional look-ahead cap, `queued + in_flight < max_ahead`, admits
+just enough work to have the next batch ready when the trainer asks for it, so
+samples are as fresh as the throughput allows.
 """
 
 from __future__ import annotations
@@ -37,9 +43,12 @@ def may_admit(
     consumed: int,
     queued: int,
     in_flight: int,
+    max_ahead: int | None = None,
 ) -> bool:
     """True when one more group may start generating."""
     budget = admission_budget(engine_version, max_staleness, batch_groups, consumed)
+    if max_ahead is not None:
+        budget = min(budget, max_ahead)
     return queued + in_flight < budget
 
 
