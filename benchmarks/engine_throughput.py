@@ -184,7 +184,7 @@ def embedded_command(args, model_dir: str) -> tuple[list[str], dict]:
 
 def vllm_command(args, model_dir: str) -> tuple[list[str], dict]:
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
-    cmd += ["--dtype", "bfloat16", "--served-model-name", "bench", "--seed", "0"]
+    cmd += ["--dtype", args.vllm_dtype, "--served-model-name", "bench", "--seed", "0"]
     cmd += ["--max-model-len", str(args.max_model_len)]
     cmd += ["--max-num-seqs", str(args.max_num_seqs), "--host", "127.0.0.1"]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(args.threads))
@@ -285,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=512, help="server context limit")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--vllm-omp-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND")
+    parser.add_argument(
+        "--vllm-dtype", default="bfloat16", help="vLLM --dtype (float32: its fp32 oneDNN path)"
+    )
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds to healthy")
     parser.add_argument("--out", default=str(RESULTS / "engine_throughput.json"))
     args = parser.parse_args(argv)
