@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     from asyncgrpo.rollout.data import load_prompts, render_prompt
     from asyncgrpo.rollout.rewards import RewardRunner
 
+    # Both systems' clocks start before the model is loaded: asyncgrpo's includes its
+    # start-up (trainer model, engine process, first weight sync), so TRL's includes
+    # loading the model and building GRPOTrainer. Evaluation stays outside TRL's clock.
+    process_start = time.monotonic()
+
     cfg = load_config(args.recipe, args.overrides)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(args.threads)
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         """Training wall-clock without evaluation; stops the run when the budget is spent."""
 
         def __init__(self):
-            self.start = time.monotonic()
+            self.start = process_start
             self.excluded = 0.0
 
         def elapsed(self) -> float:
@@ -122,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
             )
 
         def on_train_begin(self, args, state, control, **kw):
-            self.start = time.monotonic()
             self.eval_now(0)
 
         def on_log(self, args, state, control, logs=None, **kw):
