@@ -45,11 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     from asyncgrpo.rollout.data import load_prompts, render_prompt
     from asyncgrpo.rollout.rewards import RewardRunner
 
-    # Both systems' clocks start before the model is loaded: asyncgrpo's includes its
-    # start-up (trainer model, engine process, first weight sync), so TRL's includes
-    # loading the model and building GRPOTrainer. Evaluation stays outside TRL's clock.
-    process_start = time.monotonic()
-
     cfg = load_config(args.recipe, args.overrides)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(args.threads)
@@ -59,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # Both systems' clocks start once the trainer's model is loaded: asyncgrpo's then
+    # includes its engine process start-up and first weight sync, TRL's the building of
+    # GRPOTrainer. Evaluation stays outside TRL's clock.
+    process_start = time.monotonic()
     train_rows, eval_rows = load_prompts(cfg.dataset, cfg.seed)
     runner = RewardRunner(list(cfg.rewards))
     reward_funcs = list(runner.funcs)
