@@ -57,14 +57,6 @@ class PrefixCache:
             self._v_pool = [torch.empty(shape, dtype=r.dtype) for _ in r.layers]
         return self._k_pool, self._v_pool
 
-    def _keys(self, tokens: list[int], blocks: int):
-        """Yield the block keys of tokens[: blocks * BLOCK], each chained to its parent."""
-        parent = _ROOT
-        for b in range(blocks):
-            key = (parent, tuple(tokens[b * BLOCK : (b + 1) * BLOCK]))
-            yield key
-            parent = self._by_key.get(key, -2)  # -2: a parent not in the cache matches nothing
-
     def lookup(self, tokens: list[int], limit: int) -> tuple[list[int], tuple | None]:
         """Longest cached run of leading blocks within tokens[:limit].
 
@@ -75,12 +67,14 @@ class PrefixCache:
             return [], None
         hits: list[int] = []
         missing = None
-        for key in self._keys(tokens, limit // BLOCK):
-            block = self._by_key.get(key)
-            if block is None:
+        parent = _ROOT
+        for b in range(limit // BLOCK):
+            key = (parent, tuple(tokens[b * BLOCK : (b + 1) * BLOCK]))
+            parent = self._by_key.get(key)
+            if parent is None:
                 missing = key
                 break
-            hits.append(block)
+            hits.append(parent)
         for block in hits:
             self._blocks.move_to_end(block)
         return hits, missing
