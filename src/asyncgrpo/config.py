@@ -196,7 +196,7 @@ class TrainerConfig(Section):
     def use_bf16_autocast(self) -> bool:
         """`bf16_autocast` resolved for this machine."""
         if self.bf16_autocast == "auto":
-            from asyncgrpo.engine.engine import cpu_has_native_bf16
+            from asyncgrpo.hardware import cpu_has_native_bf16
 
             return cpu_has_native_bf16()
         return bool(self.bf16_autocast)

@@ -38,20 +38,11 @@ from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.runner import ModelRunner
 from asyncgrpo.engine.sampling import RowParams, sample
 from asyncgrpo.engine.types import EngineError, PauseMode, SamplingParams, TokenDelta
+from asyncgrpo.hardware import cpu_has_native_bf16
 
 logger = logging.getLogger(__name__)
 
 STAGING_SLOTS = 2  # extra cache slots for prompts whose prefill spans several steps
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); otherwise fp32 is faster."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass
