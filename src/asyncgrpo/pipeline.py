@@ -85,6 +85,22 @@ def optim_config(cfg: RunConfig) -> OptimConfig:
     )
 
 
+def make_engine_process(cfg: RunConfig, model_dir: str, run_dir: Path) -> EngineProcess | None:
+    """The embedded engine's child process (not started), or None for an external engine."""
+    e = cfg.engine
+    if e.type == "external":
+        return None
+    return EngineProcess(
+        model_dir,
+        dtype=cfg.model.dtype,
+        num_threads=e.num_threads,
+        max_num_seqs=e.max_num_seqs,
+        max_model_len=e.max_model_len,
+        prefix_cache_tokens=e.prefix_cache_tokens,
+        log_path=run_dir / "engine.log",
+    )
+
+
 class Pipeline:
     def __init__(
         self,
@@ -99,6 +115,7 @@ class Pipeline:
         tracker: Any,
         run_dir: Path,
         rollout_func: Any = None,
+        engine: EngineProcess | None = None,
     ):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -112,7 +129,7 @@ class Pipeline:
         )
         self.weight_dtype = getattr(torch, cfg.model.dtype)
         self.loop = LoopThread()
-        self.engine = self._make_engine(model_dir)
+        self.engine = engine if engine is not None else make_engine_process(cfg, model_dir, run_dir)
         retry = RetryPolicy(
             deadline=cfg.engine.startup_timeout_s, max_attempts=1000, max_backoff=2.0
         )
@@ -158,20 +175,6 @@ class Pipeline:
 
     # ---- construction ------------------------------------------------------------
 
-    def _make_engine(self, model_dir: str) -> EngineProcess | None:
-        e = self.cfg.engine
-        if e.type == "external":
-            return None
-        return EngineProcess(
-            model_dir,
-            dtype=self.cfg.model.dtype,
-            num_threads=e.num_threads,
-            max_num_seqs=e.max_num_seqs,
-            max_model_len=e.max_model_len,
-            prefix_cache_tokens=e.prefix_cache_tokens,
-            log_path=self.run_dir / "engine.log",
-        )
-
     def _make_episodes(self, rollout_func: Any) -> EpisodeGroupBuilder | None:
         """Agent runs (`agent.rollout`, or a function passed in): groups of whole episodes."""
         a = self.cfg.agent
@@ -198,7 +201,11 @@ class Pipeline:
 
     def start_engine(self) -> None:
         if self.engine is not None:
-            self.engine.start()
+            self.engine.start()  # no-op when `build_pipeline` started it early
+            # while the engine loads, lay the first weight sync's shared memory out
+            self.loop.run(
+                self.transport.prepare(list(self.trainer.named_weights(self.weight_dtype)))
+            )
             self.engine.wait_ready(self.cfg.engine.startup_timeout_s)
             self.client.base_url = self.engine.base_url
         else:
@@ -367,12 +374,15 @@ class Pipeline:
         """Greedy completions of every held-out prompt, scored by the reward functions."""
         import asyncio
 
+        versions: set[int] = set()
+
         async def one(row: dict) -> list[float | None]:
             ids = self.render(row["prompt"])
             completion = await self.client.complete(
                 ids, n=1, max_tokens=self.cfg.rollout.max_tokens, temperature=0.0
             )
             sample = completion.samples[0]
+            versions.update(sample.weight_versions)
             rollout = Rollout(
                 ids,
                 sample.token_ids,
@@ -397,6 +407,9 @@ class Pipeline:
             "eval_reward_mean": float(np.mean(totals)),
             "eval_count": len(totals),
             "eval_version": self.step,
+            # the weights that actually answered (a sync may land during an evaluation)
+            "eval_weight_version_min": min(versions, default=self.step),
+            "eval_weight_version_max": max(versions, default=self.step),
         }
 
     def maybe_checkpoint(self, force: bool = False) -> None:

@@ -32,19 +32,18 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, **components) -> 
         if resume:
             p.resume(Path(resume))
         p.sync_weights()  # the engine samples with the trainer's weights from the start
-        p.maybe_eval()
         p.start_rollouts()
         progress = ProgressDisplay(cfg.max_steps, start_step=p.step, max_time_s=cfg.max_time_s)
         while p.step < cfg.max_steps and not stop.is_set() and not p.out_of_time():
             groups = p.next_batch(stop)
             if groups is None:
                 break
+            p.maybe_eval()  # after the batch is in, so evaluating never delays it
             with p.tracker.span("trainer"):
                 metrics = p.trainer.step(groups)
             p.consumed(groups)
             if p.step % cfg.coordinator.weight_sync_steps == 0:
                 p.sync_weights()
-            p.maybe_eval()
             p.maybe_checkpoint()
             progress.update(p.step, p.log(metrics, groups))
         progress.close()

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from asyncgrpo.config import RunConfig
-from asyncgrpo.pipeline import Pipeline
+from asyncgrpo.pipeline import Pipeline, make_engine_process
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,12 @@ def build_pipeline(
     from asyncgrpo.rollout.data import load_prompts
     from asyncgrpo.rollout.rewards import RewardRunner
 
+    funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
+    agent = rollout_func is not None or cfg.agent.rollout is not None
+    if agent and len(cfg.advantage.reward_weights or [1.0]) != 1:
+        raise ValueError("advantage.reward_weights: an agent run has one reward (the rollout's)")
+    if not funcs and not agent:
+        raise ValueError("no reward functions: set `rewards:` in the recipe or pass reward_funcs")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
     run_dir = Path(resume) if resume else Path(cfg.output_dir) / cfg.name
@@ -58,33 +64,37 @@ def build_pipeline(
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
 
     model_dir = _model_dir(cfg, model, run_dir)
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if model is None or isinstance(model, str | Path):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = model.float()
+    # The engine process loads its copy of the model while this one loads the trainer's.
+    engine = make_engine_process(cfg, model_dir, run_dir)
+    if engine is not None:
+        engine.start()
+    try:
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if model is None or isinstance(model, str | Path):
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = model.float()
 
-    if train_dataset is None:
-        train_dataset, loaded_eval = load_prompts(cfg.dataset, cfg.seed)
-        eval_dataset = eval_dataset if eval_dataset is not None else loaded_eval
-    funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
-    agent = rollout_func is not None or cfg.agent.rollout is not None
-    if agent and len(cfg.advantage.reward_weights or [1.0]) != 1:
-        raise ValueError("advantage.reward_weights: an agent run has one reward (the rollout's)")
-    if not funcs and not agent:
-        raise ValueError("no reward functions: set `rewards:` in the recipe or pass reward_funcs")
-    tracker = MetricsTracker(
-        run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
-    )
-    return Pipeline(
-        cfg,
-        model=model,
-        model_dir=model_dir,
-        tokenizer=tokenizer,
-        train_rows=train_dataset,
-        eval_rows=eval_dataset,
-        reward_runner=RewardRunner(funcs) if funcs else None,
-        tracker=tracker,
-        run_dir=run_dir,
-        rollout_func=rollout_func,
-    )
+        if train_dataset is None:
+            train_dataset, loaded_eval = load_prompts(cfg.dataset, cfg.seed)
+            eval_dataset = eval_dataset if eval_dataset is not None else loaded_eval
+        tracker = MetricsTracker(
+            run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
+        )
+        return Pipeline(
+            cfg,
+            model=model,
+            model_dir=model_dir,
+            tokenizer=tokenizer,
+            train_rows=train_dataset,
+            eval_rows=eval_dataset,
+            reward_runner=RewardRunner(funcs) if funcs else None,
+            tracker=tracker,
+            run_dir=run_dir,
+            rollout_func=rollout_func,
+            engine=engine,
+        )
+    except BaseException:
+        if engine is not None:
+            engine.stop()
+        raise

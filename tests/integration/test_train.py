@@ -377,3 +377,16 @@ def test_kill_9_then_resume_continues_from_the_checkpoint(tmp_path, tiny_model_d
     samples = read_jsonl(run_dir / "samples.jsonl")
     positions = [s["data_index"] for s in samples]
     assert len(positions) == len(set(positions)), "a prompt was trained twice"
+
+
+def test_a_build_that_fails_after_the_engine_started_stops_it(tmp_path, tiny_model_dir):
+    """The engine starts before the trainer's model loads; a later error must not orphan it."""
+    from asyncgrpo.config import RunConfig
+    from asyncgrpo.wiring import build_pipeline
+
+    cfg = base_config(tmp_path, tiny_model_dir, "bad-data")
+    cfg["dataset"] = {"path": str(tmp_path / "missing.jsonl")}
+    cfg["rewards"] = ["asyncgrpo.testing:even_token_reward"]
+    with pytest.raises(Exception, match="missing.jsonl"):
+        build_pipeline(RunConfig.model_validate(cfg))
+    assert engine_children() == []

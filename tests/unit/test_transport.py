@@ -148,3 +148,28 @@ def test_transports_deliver_every_tensor_and_clean_up(kind, tmp_path):
 def test_unknown_transport_is_refused():
     with pytest.raises(ValueError, match="unknown weight transport"):
         make_transport("nccl-over-carrier-pigeon", object())
+
+
+@pytest.mark.parametrize("kind", ["shm", "disk", "http"])
+def test_prepare_talks_to_no_engine_and_the_publish_after_it_is_exact(kind, tmp_path):
+    """`prepare` runs while the engine is still starting: it must not call it."""
+    tensors = mixed_tensors()
+
+    async def scenario():
+        client = RecordingClient()
+        options = {"directory": tmp_path} if kind == "shm" else {}
+        transport = make_transport(kind, client, **options)
+        await transport.prepare(tensors)
+        calls_after_prepare = list(client.calls)
+        prepared = list(tmp_path.iterdir())
+        await transport.publish(tensors, 1)
+        segments = list(tmp_path.iterdir())
+        await transport.close()
+        return client, calls_after_prepare, prepared, segments
+
+    client, calls_after_prepare, prepared, segments = asyncio.run(scenario())
+    assert calls_after_prepare == []
+    for name, t in tensors:
+        assert torch.equal(client.received[name], t), name
+    if kind == "shm":  # the publish writes into the segment `prepare` allocated
+        assert len(prepared) == 1 and segments == prepared

@@ -31,6 +31,10 @@ class WeightTransport(Protocol):
         """Send the tensors (state_dict names) and make them live as `version`, atomically."""
         ...
 
+    async def prepare(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Get ready to send tensors of this layout, e.g. while the engine starts; optional."""
+        ...
+
     async def close(self) -> None:
         """Release what the transport holds (shared-memory segments, temporary files)."""
         ...

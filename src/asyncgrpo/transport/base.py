@@ -25,6 +25,10 @@ class FourStepTransport:
         await self.send(tensors)
         await self.client.finish_weight_update(int(version))
 
+    async def prepare(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Get ready to send tensors of this layout (before the engine is up); optional."""
+        return None
+
     async def send(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
