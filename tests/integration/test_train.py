@@ -98,10 +98,14 @@ def train_rows(run_dir: Path) -> list[dict]:
     return [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
 
 
-def run_api(tmp_path, model_dir, name, rows, rewards, **overrides) -> Path:
+def run_api(tmp_path, model_dir, name, rows, rewards, eval_rows=None, **overrides) -> Path:
     cfg = AsyncGRPOConfig(**flat(base_config(tmp_path, model_dir, name, **overrides)))
     trainer = AsyncGRPOTrainer(
-        model=str(model_dir), reward_funcs=rewards, train_dataset=rows, args=cfg
+        model=str(model_dir),
+        reward_funcs=rewards,
+        train_dataset=rows,
+        eval_dataset=eval_rows,
+        args=cfg,
     )
     return trainer.train()
 
@@ -200,10 +204,21 @@ def test_async_run_bounds_staleness_and_accounts_for_every_group(
         "async",
         rows,
         [even_token_reward, failing_on_flag_reward],
+        eval_rows=tiny_prompt_rows(3),
         max_steps=8,
+        eval_steps=3,
         **{"coordinator.max_staleness": 2, "rollout.filter_zero_variance": True},
     )
     metrics = train_rows(run_dir)
+    evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "eval"]
+    # step 0 (the initial weights) and the final weights are always evaluated; an evaluation
+    # still running when the next one falls due makes that one skip, so the middle may vary
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 8
+    for e in evals:
+        assert e["eval_count"] == 3
+        # the weights that answered are the labelled step's (or the next, if a sync landed)
+        assert e["step"] <= e["eval_weight_version_min"] <= e["eval_weight_version_max"]
+        assert e["eval_weight_version_max"] <= e["step"] + 1
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert all(m["staleness_max"] <= 2 for m in metrics)
     assert [m["version"] for m in metrics] == list(range(1, 9))

@@ -232,3 +232,14 @@ def test_abandoned_stream_frees_its_slot(engine):
         return False
 
     assert run(scenario())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lazy_zeros_are_zeros_of_the_asked_shape_and_writable(dtype):
+    from asyncgrpo.engine.runner import lazy_zeros
+
+    t = lazy_zeros((3, 2, 5, 4), dtype)
+    assert t.shape == (3, 2, 5, 4) and t.dtype == dtype and t.is_contiguous()
+    assert torch.equal(t, torch.zeros(3, 2, 5, 4, dtype=dtype))
+    t[1, :, 2] = 7
+    assert t.sum().item() == 7 * 2 * 4
