@@ -1,10 +1,10 @@
 """Wiring of the four roles, and the chores between optimizer steps.
 
-`Pipeline` builds the engine (a supervised child process or an external
-server), the client, the buffer, the orchestrator and the trainer from a
-`RunConfig`, and offers the few verbs the top-level loop in `run.py` uses:
-`sync_weights`, `next_batch`, `consumed`, `maybe_eval`, `maybe_checkpoint`,
-`log`, `close`. Everything here is plumbing; the algorithm is in `run.py`, the
+`Pipeline` holds the engine (a supervised child process, which `build_pipeline`
+starts before loading the trainer's model, or an external server) and builds the
+client, the buffer, the orchestrator and the trainer from a `RunConfig`. It offers
+the few verbs the top-level loop in `run.py` uses: `sync_weights`, `next_batch`,
+`consumed`, `maybe_eval`, `maybe_checkpoint`, `log`, `close`. Everything here is plumbing; the algorithm is in `run.py`, the
 maths in `trainer/`, the staleness rules in `coordinator/`.
 """
 
