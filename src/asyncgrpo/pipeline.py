@@ -4,8 +4,9 @@
 starts before loading the trainer's model, or an external server) and builds the
 client, the buffer, the orchestrator and the trainer from a `RunConfig`. It offers
 the few verbs the top-level loop in `run.py` uses: `sync_weights`, `next_batch`,
-`consumed`, `maybe_eval`, `maybe_checkpoint`, `log`, `close`. Everything here is plumbing; the algorithm is in `run.py`, the
-maths in `trainer/`, the staleness rules in `coordinator/`.
+`consumed`, `maybe_eval`, `maybe_checkpoint`, `log`, `close`. Everything here is
+plumbing; the algorithm is in `run.py`, the maths in `trainer/`, the staleness
+rules in `coordinator/`.
 """
 
 from __future__ import annotations
