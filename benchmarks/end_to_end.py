@@ -4,7 +4,8 @@ Every system trains the same model on the same recipe (task, rewards,
 hyperparameters) for the same training wall-clock budget, one after the
 other on the same machine. Held-out reward is measured the same way for all
 (greedy completions of the recipe's eval rows) and, for TRL, outside its
-clock. Reported per system: samples/s (completions trained per second),
+clock. Reported per system: samples/s (completions trained per second) and
+completion tokens/s (the same, weighted by the learned completion length),
 time to reach the reward threshold, final held-out reward; plus one plot of
 held-out reward vs wall-clock for all of them.
 
@@ -97,11 +98,17 @@ def summarise(label: str, run_dir: Path, samples_per_step: int, threshold: float
     steps = train[-1]["step"] if train else 0
     seconds = train[-1]["time_s"] if train else float("nan")
     reached = next((t for t, r in points if threshold is not None and r >= threshold), None)
+    # samples/s depends on how long the learned completions are; tokens/s does not
+    completion_tokens = sum((row.get("completion_len_mean") or 0.0) for row in train)
     return {
         "system": label,
         "steps": steps,
         "train_seconds": seconds,
         "samples_per_s": steps * samples_per_step / seconds if train else float("nan"),
+        "completion_tokens_per_s": completion_tokens * samples_per_step / seconds
+        if train
+        else float("nan"),
+        "completion_len_mean": completion_tokens / len(train) if train else None,
         "initial_eval_reward": points[0][1] if points else None,
         "final_eval_reward": points[-1][1] if points else None,
         "best_eval_reward": max(r for _, r in points) if points else None,
@@ -171,12 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         f"\nrecipe {args.recipe}, budget {args.budget_s:.0f}s per system, "
         f"threshold {fmt(threshold)} (held-out reward)"
     )
-    header = f"{'system':32} {'steps':>6} {'samples/s':>10} {'eval@0':>7} {'final':>7} {'best':>7} {'t→thr (s)':>10}"
+    header = (
+        f"{'system':32} {'steps':>6} {'samples/s':>10} {'compl tok/s':>12} {'eval@0':>7} "
+        f"{'final':>7} {'best':>7} {'t→thr (s)':>10}"
+    )
     print(header + "\n" + "-" * len(header))
     for r in rows:
         print(
             f"{r['system']:32} {r['steps']:>6} {fmt(r['samples_per_s'], '.2f'):>10} "
-            f"{fmt(r['initial_eval_reward']):>7} {fmt(r['final_eval_reward']):>7} "
+            f"{fmt(r['completion_tokens_per_s'], '.1f'):>12} {fmt(r['initial_eval_reward']):>7} {fmt(r['final_eval_reward']):>7} "
             f"{fmt(r['best_eval_reward']):>7} {fmt(r['time_to_threshold_s'], '.0f'):>10}"
         )
 
