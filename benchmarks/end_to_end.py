@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(
             f"{r['system']:32} {r['steps']:>6} {fmt(r['samples_per_s'], '.2f'):>10} "
-            f"{fmt(r['completion_tokens_per_s'], '.1f'):>12} {fmt(r['initial_eval_reward']):>7} {fmt(r['final_eval_reward']):>7} "
+            f"{fmt(r['completion_tokens_per_s'], '.1f'):>12} "
+            f"{fmt(r['initial_eval_reward']):>7} {fmt(r['final_eval_reward']):>7} "
             f"{fmt(r['best_eval_reward']):>7} {fmt(r['time_to_threshold_s'], '.0f'):>10}"
         )
 

@@ -1,8 +1,8 @@
 """Wiring of the four roles, and the chores between optimizer steps.
 
 `Pipeline` holds the engine (a supervised child process, which `build_pipeline`
-starts before loading the trainer's model, or an external server) and builds the
-client, the buffer, the orchestrator and the trainer from a `RunConfig`. It offers
+creates and starts before loading the trainer's model, or an external server) and
+builds the client, the buffer, the orchestrator and the trainer from a `RunConfig`. It offers
 the few verbs the top-level loop in `run.py` uses: `sync_weights`, `next_batch`,
 `consumed`, `maybe_eval`, `maybe_checkpoint`, `log`, `close`. Everything here is
 plumbing; the algorithm is in `run.py`, the maths in `trainer/`, the staleness
@@ -86,37 +86,20 @@ def optim_config(cfg: RunConfig) -> OptimConfig:
     )
 
 
-def make_engine_process(cfg: RunConfig, model_dir: str, run_dir: Path) -> EngineProcess | None:
-    """The embedded engine's child process (not started), or None for an external engine."""
-    e = cfg.engine
-    if e.type == "external":
-        return None
-    return EngineProcess(
-        model_dir,
-        dtype=cfg.model.dtype,
-        num_threads=e.num_threads,
-        max_num_seqs=e.max_num_seqs,
-        max_model_len=e.max_model_len,
-        prefix_cache_tokens=e.prefix_cache_tokens,
-        log_path=run_dir / "engine.log",
-    )
-
-
 class Pipeline:
     def __init__(
         self,
         cfg: RunConfig,
         *,
         model: torch.nn.Module,
-        model_dir: str,
         tokenizer: Any,
         train_rows: Any,
         eval_rows: Any,
         reward_runner: Any,
         tracker: Any,
         run_dir: Path,
+        engine: EngineProcess | None,
         rollout_func: Any = None,
-        engine: EngineProcess | None = None,
     ):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -130,7 +113,7 @@ class Pipeline:
         )
         self.weight_dtype = getattr(torch, cfg.model.dtype)
         self.loop = LoopThread()
-        self.engine = engine if engine is not None else make_engine_process(cfg, model_dir, run_dir)
+        self.engine = engine  # None: an external server at `engine.base_url`
         retry = RetryPolicy(
             deadline=cfg.engine.startup_timeout_s, max_attempts=1000, max_backoff=2.0
         )

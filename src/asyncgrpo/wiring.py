@@ -17,7 +17,8 @@ import torch
 import yaml
 
 from asyncgrpo.config import RunConfig
-from asyncgrpo.pipeline import Pipeline, make_engine_process
+from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,22 @@ def _model_dir(cfg: RunConfig, model: Any, run_dir: Path) -> str:
     if not (target / "config.json").exists():
         model.save_pretrained(target)
     return str(target)
+
+
+def _engine_process(cfg: RunConfig, model_dir: str, run_dir: Path) -> EngineProcess | None:
+    """The embedded engine's child process (not started), or None for an external engine."""
+    e = cfg.engine
+    if e.type == "external":
+        return None
+    return EngineProcess(
+        model_dir,
+        dtype=cfg.model.dtype,
+        num_threads=e.num_threads,
+        max_num_seqs=e.max_num_seqs,
+        max_model_len=e.max_model_len,
+        prefix_cache_tokens=e.prefix_cache_tokens,
+        log_path=run_dir / "engine.log",
+    )
 
 
 def build_pipeline(
@@ -65,7 +82,7 @@ def build_pipeline(
 
     model_dir = _model_dir(cfg, model, run_dir)
     # The engine process loads its copy of the model while this one loads the trainer's.
-    engine = make_engine_process(cfg, model_dir, run_dir)
+    engine = _engine_process(cfg, model_dir, run_dir)
     if engine is not None:
         engine.start()
     try:
@@ -84,15 +101,14 @@ def build_pipeline(
         return Pipeline(
             cfg,
             model=model,
-            model_dir=model_dir,
             tokenizer=tokenizer,
             train_rows=train_dataset,
             eval_rows=eval_dataset,
             reward_runner=RewardRunner(funcs) if funcs else None,
             tracker=tracker,
             run_dir=run_dir,
-            rollout_func=rollout_func,
             engine=engine,
+            rollout_func=rollout_func,
         )
     except BaseException:
         if engine is not None:
