@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import datasets
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncgrpo.models import resolve_model
     from asyncgrpo.rollout.data import load_prompts, render_prompt
     from asyncgrpo.rollout.rewards import RewardRunner
+    from asyncgrpo.trainer.checkpoint import dedupe_shared
 
     cfg = load_config(args.recipe, args.overrides)
     torch.manual_seed(cfg.seed)
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     # GRPOTrainer. Evaluation stays outside TRL's clock.
     process_start = time.monotonic()
     train_rows, eval_rows = load_prompts(cfg.dataset, cfg.seed)
+    eval_rows = eval_rows[: cfg.eval_limit] if eval_rows else eval_rows  # as asyncgrpo evaluates
     runner = RewardRunner(list(cfg.rewards))
     reward_funcs = list(runner.funcs)
     weights = cfg.advantage.reward_weights or [1.0] * len(reward_funcs)
@@ -194,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         callbacks=[Clock()],
     )
     trainer.train()
+    # the final weights, for scoring outside the run (benchmarks/end_to_end.py)
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    dedupe_shared(weights)
+    save_file(weights, out / "final_model.safetensors")
     metrics_file.close()
     runner.close()
     return 0

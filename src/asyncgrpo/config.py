@@ -223,6 +223,9 @@ class RunConfig(Section):
     """Optional wall-clock budget; the run checkpoints and stops when it is spent."""
     eval_steps: int = Field(10, ge=1)
     """Evaluate held-out reward every this many steps (and before the first)."""
+    eval_limit: int | None = Field(None, ge=1)
+    """Score only the first N held-out rows in each evaluation (None: all of them). The
+    rest stay unseen by training, e.g. for scoring the final weights on a larger set."""
     checkpoint_steps: int = Field(25, ge=1)
     """Checkpoint every this many steps (and at exit)."""
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = []

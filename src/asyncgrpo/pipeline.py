@@ -378,7 +378,8 @@ class Pipeline:
             await self.score(row, [rollout])
             return rollout.rewards
 
-        rows = [dict(self.eval_rows[i]) for i in range(len(self.eval_rows))]
+        count = min(len(self.eval_rows), self.cfg.eval_limit or len(self.eval_rows))
+        rows = [dict(self.eval_rows[i]) for i in range(count)]
         if self.episodes is not None:
             rows = rows * self.cfg.agent.eval_repeats
             return {**await self.episodes.evaluate(rows), "eval_version": self.step}

@@ -204,9 +204,10 @@ def test_async_run_bounds_staleness_and_accounts_for_every_group(
         "async",
         rows,
         [even_token_reward, failing_on_flag_reward],
-        eval_rows=tiny_prompt_rows(3),
+        eval_rows=tiny_prompt_rows(5),
         max_steps=8,
         eval_steps=3,
+        eval_limit=3,  # each evaluation scores the first 3 of the 5 held-out rows
         **{"coordinator.max_staleness": 2, "rollout.filter_zero_variance": True},
     )
     metrics = train_rows(run_dir)

@@ -91,7 +91,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _dedupe_shared(weights)
+    dedupe_shared(weights)
     save_file(weights, tmp / "model.safetensors")
     opt_tensors, opt_meta = _optimizer_tensors(optimizer)
     rng_tensors, rng_meta = _rng_state()
@@ -119,7 +119,7 @@ def save_checkpoint(
     return final
 
 
-def _dedupe_shared(weights: dict) -> None:
+def dedupe_shared(weights: dict) -> None:
     """Drop aliases of tied tensors (safetensors refuses shared storage)."""
     seen: dict[tuple, str] = {}
     for name in list(weights):
