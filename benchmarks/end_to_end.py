@@ -2,28 +2,25 @@
 
 Every system trains the same model on the same recipe (task, rewards,
 hyperparameters) for the same training wall-clock budget, one after the
-other on the same machine. Held-out reward is measured the same way for all
-(greedy completions of the recipe's eval rows) and, for TRL, outside its
-clock. Reported per system: samples/s (completions trained per second) and
+other on the same machine. Every system saves its weights every
+`--score-steps` steps (asyncgrpo on its clock, TRL off it); after the runs one
+evaluator (the embedded engine, greedy) scores every snapshot on the same
+held-out rows (`--held-out`, default 64, kept out of training for all). Scoring
+outside the runs keeps evaluation off every clock and makes the curves less
+noisy than a 16-prompt in-run evaluation (about ±0.1).
+
+Reported per system: samples/s (completions trained per second) and
 completion tokens/s (the same, weighted by the learned completion length),
-time to reach the reward threshold, final held-out reward; plus one plot of
-held-out reward vs wall-clock for all of them.
+time to reach the reward threshold, final and best held-out reward, and the
+final reward of async minus sync, paired by prompt (mean ± standard error);
+plus one plot of held-out reward vs wall-clock for all of them. `--seeds
+0,1,2` repeats everything per seed and prints the median of each target.
 
     python benchmarks/end_to_end.py --recipe recipes/default.yaml --budget-s 900
     python benchmarks/end_to_end.py --systems async,sync --budget-s 300   # skip TRL
 
 The threshold defaults to the midpoint between the initial held-out reward
 and the best final one over the systems (stated in the output).
-
-The in-run curve uses the recipe's held-out rows (16 in the demo), so a final
-reward read off it is noisy (about ±0.1). The final weights of every system
-are therefore also scored after the runs, by one evaluator (the embedded
-engine, greedy), on a larger held-out set (`--final-eval-size`, default 64):
-the benchmark holds that many rows out of training for every system and lets
-the in-run evaluations score only the recipe's first ones (`eval_limit`).
-Async and sync are compared prompt by prompt on it (mean difference ± its
-standard error). `--seeds 0,1,2` repeats everything per seed and reports the
-median of each ratio.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,17 +46,6 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
             row = json.loads(line)
             (evals if row.get("kind") == "eval" else train).append(row)
     return train, evals
-
-
-def eval_times(train: list[dict], evals: list[dict]) -> list[tuple[float, float]]:
-    """(training time at which the evaluated weights existed, reward) per evaluation."""
-    time_at_step = {row["step"]: row["time_s"] for row in train}
-    time_at_step.setdefault(0, 0.0)
-    points = []
-    for row in evals:
-        t = time_at_step.get(row["step"], row["time_s"])
-        points.append((float(t), float(row["eval_reward_mean"])))
-    return sorted(points)
 
 
 def run_asyncgrpo(
@@ -104,12 +91,14 @@ def run_trl(recipe: str, out: Path, budget: float, extra: list[str], threads: in
     return run_dir
 
 
-def summarise(label: str, run_dir: Path, samples_per_step: int, threshold: float | None) -> dict:
-    train, evals = read_metrics(run_dir)
-    points = eval_times(train, evals)
+def summarise(
+    label: str, run_dir: Path, samples_per_step: int, curve: list, threshold: float | None
+) -> dict:
+    """Throughput from the run's metrics, learning from its scored curve [(time_s, reward)]."""
+    train, _ = read_metrics(run_dir)
     steps = train[-1]["step"] if train else 0
     seconds = train[-1]["time_s"] if train else float("nan")
-    reached = next((t for t, r in points if threshold is not None and r >= threshold), None)
+    reached = next((t for t, r in curve if threshold is not None and r >= threshold), None)
     # samples/s depends on how long the learned completions are; tokens/s does not
     completion_tokens = sum((row.get("completion_len_mean") or 0.0) for row in train)
     return {
@@ -121,28 +110,37 @@ def summarise(label: str, run_dir: Path, samples_per_step: int, threshold: float
         if train
         else float("nan"),
         "completion_len_mean": completion_tokens / len(train) if train else None,
-        "initial_eval_reward": points[0][1] if points else None,
-        "final_eval_reward": points[-1][1] if points else None,
-        "best_eval_reward": max(r for _, r in points) if points else None,
+        "initial_reward": curve[0][1] if curve else None,
+        "final_reward": curve[-1][1] if curve else None,
+        "best_reward": max(r for _, r in curve) if curve else None,
         "time_to_threshold_s": reached,
-        "eval_points": points,
+        "curve": curve,
         "run_dir": str(run_dir),
     }
 
 
-def final_weights(run_dir: Path) -> Path | None:
-    """The weights a run ended with: TRL's saved file, or asyncgrpo's last checkpoint."""
-    trl = run_dir / "final_model.safetensors"
-    if trl.exists():
-        return trl
-    from asyncgrpo.trainer.checkpoint import latest_checkpoint
+def snapshots(run_dir: Path) -> list[tuple[int, float, Path]]:
+    """(step, training time, weights) of every snapshot a run saved, its final weights last."""
+    train, _ = read_metrics(run_dir)
+    time_at_step = {row["step"]: float(row["time_s"]) for row in train}
+    found = [
+        (int(path.stem.split("-")[1]), path)
+        for path in sorted((run_dir / "weights").glob("step-*.safetensors"))
+    ]
+    last = train[-1]["step"] if train else 0
+    final = run_dir / "final_model.safetensors"  # TRL's
+    if not final.exists():
+        from asyncgrpo.trainer.checkpoint import latest_checkpoint
 
-    ckpt = latest_checkpoint(run_dir / "checkpoints")
-    return ckpt / "model.safetensors" if ckpt else None
+        ckpt = latest_checkpoint(run_dir / "checkpoints")
+        final = ckpt / "model.safetensors" if ckpt else None
+    if final is not None and last and (not found or found[-1][0] < last):
+        found.append((last, final))
+    return [(step, time_at_step[step], path) for step, path in found if step in time_at_step]
 
 
-async def score_weights(cfg, weight_files: dict[str, Path], rows: list[dict], threads: int):
-    """Greedy reward per held-out row, for the initial model and each weight file.
+async def score_weights(cfg, files: list[Path], rows: list[dict], threads: int):
+    """Greedy reward per held-out row: for the initial model, then for each weight file.
 
     One embedded engine scores everything, so the systems differ only in their weights.
     """
@@ -160,7 +158,7 @@ async def score_weights(cfg, weight_files: dict[str, Path], rows: list[dict], th
     engine = Engine(
         EngineConfig(
             model=model_dir,
-            dtype=cfg.model.dtype,
+            dtype=cfg.model.engine_dtype(),
             num_threads=threads,
             max_num_seqs=64,
             max_model_len=cfg.engine.max_model_len,
@@ -180,13 +178,15 @@ async def score_weights(cfg, weight_files: dict[str, Path], rows: list[dict], th
 
     engine.start()
     try:
-        scores = {"initial model": await asyncio.gather(*[one(r) for r in rows])}
-        for label, path in weight_files.items():
+        scores = [await asyncio.gather(*[one(r) for r in rows])]
+        for i, path in enumerate(files, 1):
             await engine.update_weights(load_file(path).items())
-            scores[label] = await asyncio.gather(*[one(r) for r in rows])
+            scores.append(await asyncio.gather(*[one(r) for r in rows]))
+            print(f"  scored {i}/{len(files)} weight files", end="\r", flush=True)
     finally:
         engine.shutdown()
         runner.close()
+    print()
     return scores
 
 
@@ -204,18 +204,20 @@ ASYNC, SYNC, TRL = (
 
 
 def run_seed(args, seed: int, out: Path) -> dict:
-    """Every system on one seed, then the final weights scored side by side."""
+    """Every system on one seed, then every saved snapshot scored by one evaluator."""
     from asyncgrpo.config import load_config
     from asyncgrpo.rollout.data import load_prompts
 
     recipe_cfg = load_config(args.recipe, args.overrides)
     in_run = recipe_cfg.dataset.get("eval_size") or 0
-    held_out = max(in_run, args.final_eval_size)
+    held_out = max(in_run, args.held_out)
     overrides = [
         *args.overrides,
         f"seed={seed}",
         f"dataset.eval_size={held_out}",
         f"eval_limit={in_run or held_out}",
+        "eval_steps=1000000",  # held-out reward comes from the snapshots, scored afterwards
+        f"save_weights_steps={args.score_steps or recipe_cfg.eval_steps}",
         "checkpoint_steps=1000000",  # only the checkpoint at exit, outside the budget
     ]
     cfg = load_config(args.recipe, overrides)
@@ -230,49 +232,43 @@ def run_seed(args, seed: int, out: Path) -> dict:
         elif system == "trl":
             runs[TRL] = run_trl(args.recipe, out, args.budget_s, overrides, args.trl_threads)
 
+    _, eval_rows = load_prompts(cfg.dataset, cfg.seed)
+    saved = {label: snapshots(run_dir) for label, run_dir in runs.items()}
+    files = [path for points in saved.values() for _, _, path in points]
+    print(f"[seed {seed}] scoring {len(files)} snapshots on {len(eval_rows)} held-out rows")
+    scores = asyncio.run(score_weights(cfg, files, eval_rows, args.score_threads))
+    initial, rest = scores[0], iter(scores[1:])
+    per_prompt, curves = {}, {}
+    for label, points in saved.items():
+        per_prompt[label] = [initial] + [next(rest) for _ in points]
+        curves[label] = [(0.0, statistics.mean(initial))] + [
+            (t, statistics.mean(s)) for (_, t, _), s in zip(points, per_prompt[label][1:])
+        ]
+    if not args.keep_weights:  # ~0.5 GB per snapshot, 1.6 GB per checkpoint
+        for run_dir in runs.values():
+            for name in ("weights", "checkpoints"):
+                shutil.rmtree(run_dir / name, ignore_errors=True)
+            (run_dir / "final_model.safetensors").unlink(missing_ok=True)
+
     threshold = args.threshold
     if threshold is None:
-        first = [summarise(k, v, samples_per_step, None) for k, v in runs.items()]
-        initial = [s["initial_eval_reward"] for s in first if s["initial_eval_reward"] is not None]
-        final = [s["final_eval_reward"] for s in first if s["final_eval_reward"] is not None]
-        if initial and final:
-            threshold = (min(initial) + max(final)) / 2
-    rows = [summarise(k, v, samples_per_step, threshold) for k, v in runs.items()]
-
-    files = {k: final_weights(v) for k, v in runs.items()}
-    missing = [k for k, f in files.items() if f is None]
-    if missing:
-        print(f"no final weights for {missing}; they are not scored", flush=True)
-    _, eval_rows = load_prompts(cfg.dataset, cfg.seed)
-    print(f"[seed {seed}] scoring final weights on {len(eval_rows)} held-out rows", flush=True)
-    scores = asyncio.run(
-        score_weights(
-            cfg, {k: f for k, f in files.items() if f is not None}, eval_rows, args.score_threads
-        )
-    )
-    for r in rows:
-        per_prompt = scores.get(r["system"])
-        r["final_scored_reward"] = statistics.mean(per_prompt) if per_prompt else None
+        finals = [c[-1][1] for c in curves.values() if len(c) > 1]
+        threshold = (statistics.mean(initial) + max(finals)) / 2 if finals else None
+    rows = [summarise(k, v, samples_per_step, curves[k], threshold) for k, v in runs.items()]
     result = {
         "seed": seed,
         "threshold": threshold,
-        "systems": rows,
         "scored_rows": len(eval_rows),
-        "scored_initial_reward": statistics.mean(scores["initial model"]),
-        "scores_per_prompt": scores,
+        "systems": rows,
+        "final_per_prompt": {k: v[-1] for k, v in per_prompt.items()},
     }
-    if ASYNC in scores and SYNC in scores:
-        result["async_minus_sync"] = paired_difference(scores[ASYNC], scores[SYNC])
+    if ASYNC in per_prompt and SYNC in per_prompt:
+        result["async_minus_sync"] = paired_difference(per_prompt[ASYNC][-1], per_prompt[SYNC][-1])
 
-    from asyncgrpo.metrics.plots import plot_compare
+    from asyncgrpo.metrics.plots import plot_curves
 
-    result["plot"] = str(
-        plot_compare(
-            runs,
-            out / "end_to_end.png",
-            title=f"held-out reward vs wall-clock ({Path(args.recipe).stem}, seed {seed})",
-        )
-    )
+    title = f"held-out reward vs wall-clock ({Path(args.recipe).stem}, seed {seed})"
+    result["plot"] = str(plot_curves(curves, out / "end_to_end.png", title=title))
     print_seed(result, args)
     return result
 
@@ -283,27 +279,25 @@ def fmt(x, spec=".3f"):
 
 def print_seed(result: dict, args) -> None:
     print(
-        f"\nrecipe {args.recipe}, seed {result['seed']}, budget {args.budget_s:.0f}s per system, "
-        f"threshold {fmt(result['threshold'])} (in-run held-out reward); final weights scored "
-        f"on {result['scored_rows']} held-out rows (initial model "
-        f"{result['scored_initial_reward']:.3f})"
+        f"\nrecipe {args.recipe}, seed {result['seed']}, budget {args.budget_s:.0f}s per system; "
+        f"held-out reward: greedy on {result['scored_rows']} rows, scored after the runs; "
+        f"threshold {fmt(result['threshold'])}"
     )
     header = (
-        f"{'system':32} {'steps':>6} {'samples/s':>10} {'compl tok/s':>12} {'eval@0':>7} "
-        f"{'final':>7} {'best':>7} {'t→thr (s)':>10} {'final scored':>13}"
+        f"{'system':32} {'steps':>6} {'samples/s':>10} {'compl tok/s':>12} {'initial':>8} "
+        f"{'final':>7} {'best':>7} {'t→thr (s)':>10}"
     )
     print(header + "\n" + "-" * len(header))
     for r in result["systems"]:
         print(
             f"{r['system']:32} {r['steps']:>6} {fmt(r['samples_per_s'], '.2f'):>10} "
-            f"{fmt(r['completion_tokens_per_s'], '.1f'):>12} "
-            f"{fmt(r['initial_eval_reward']):>7} {fmt(r['final_eval_reward']):>7} "
-            f"{fmt(r['best_eval_reward']):>7} {fmt(r['time_to_threshold_s'], '.0f'):>10} "
-            f"{fmt(r['final_scored_reward']):>13}"
+            f"{fmt(r['completion_tokens_per_s'], '.1f'):>12} {fmt(r['initial_reward']):>8} "
+            f"{fmt(r['final_reward']):>7} {fmt(r['best_reward']):>7} "
+            f"{fmt(r['time_to_threshold_s'], '.0f'):>10}"
         )
     if "async_minus_sync" in result:
         mean, se = result["async_minus_sync"]
-        print(f"final scored reward, async − sync (paired by prompt): {mean:+.3f} ± {se:.3f} (SE)")
+        print(f"final reward, async − sync (paired by prompt): {mean:+.3f} ± {se:.3f} (SE)")
 
 
 def ratios(result: dict) -> dict[str, float | None]:
@@ -319,7 +313,7 @@ def ratios(result: dict) -> dict[str, float | None]:
         "async/TRL samples/s (≥ 2)": ratio("samples_per_s", ASYNC, TRL),
         "async/TRL time to threshold (≤ 0.5)": ratio("time_to_threshold_s", ASYNC, TRL),
         "async/sync samples/s (≥ 1.2)": ratio("samples_per_s", ASYNC, SYNC),
-        "async − sync final scored reward": result.get("async_minus_sync", (None,))[0],
+        "async − sync final reward": result.get("async_minus_sync", (None,))[0],
     }
 
 
@@ -334,12 +328,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=None)
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run")
     parser.add_argument(
-        "--final-eval-size",
+        "--held-out",
         type=int,
         default=64,
-        help="held-out rows the final weights are scored on (held out of training for all)",
+        help="held-out rows the snapshots are scored on (kept out of training for every system)",
+    )
+    parser.add_argument(
+        "--score-steps",
+        type=int,
+        default=None,
+        help="snapshot the weights every this many steps (default: the recipe's eval_steps)",
     )
     parser.add_argument("--score-threads", type=int, default=2)
+    parser.add_argument(
+        "--keep-weights", action="store_true", help="keep the snapshots once they are scored"
+    )
     parser.add_argument("--out", default="benchmarks/results/end_to_end")
     parser.add_argument(
         "--set",

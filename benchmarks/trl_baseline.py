@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import datasets
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncgrpo.models import resolve_model
     from asyncgrpo.rollout.data import load_prompts, render_prompt
     from asyncgrpo.rollout.rewards import RewardRunner
-    from asyncgrpo.trainer.checkpoint import dedupe_shared
+    from asyncgrpo.trainer.checkpoint import save_weights
 
     cfg = load_config(args.recipe, args.overrides)
     torch.manual_seed(cfg.seed)
@@ -152,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         def on_step_end(self, args, state, control, **kw):
             if state.global_step % cfg.eval_steps == 0:
                 self.eval_now(state.global_step)
+            every = cfg.save_weights_steps
+            if every and state.global_step % every == 0:  # as asyncgrpo, but off the clock
+                t0 = time.monotonic()
+                (out / "weights").mkdir(exist_ok=True)
+                save_weights(out / "weights" / f"step-{state.global_step:06d}.safetensors", model)
+                self.excluded += time.monotonic() - t0
             if self.elapsed() >= args_budget:
                 control.should_training_stop = True
 
@@ -198,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer.train()
     # the final weights, for scoring outside the run (benchmarks/end_to_end.py)
-    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    dedupe_shared(weights)
-    save_file(weights, out / "final_model.safetensors")
+    save_weights(out / "final_model.safetensors", model)
     metrics_file.close()
     runner.close()
     return 0

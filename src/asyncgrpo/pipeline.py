@@ -42,6 +42,7 @@ from asyncgrpo.trainer.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    save_weights,
 )
 from asyncgrpo.trainer.loop import OptimConfig, PolicyTrainer
 from asyncgrpo.transport import make_transport
@@ -111,7 +112,7 @@ class Pipeline:
         self.trainer = PolicyTrainer(
             model, loss_config(cfg), self.adv_cfg, optim_config(cfg), cfg.advantage.reward_weights
         )
-        self.weight_dtype = getattr(torch, cfg.model.dtype)
+        self.weight_dtype = getattr(torch, cfg.model.engine_dtype())
         self.loop = LoopThread()
         self.engine = engine  # None: an external server at `engine.base_url`
         retry = RetryPolicy(
@@ -398,6 +399,12 @@ class Pipeline:
         }
 
     def maybe_checkpoint(self, force: bool = False) -> None:
+        every = self.cfg.save_weights_steps
+        if every and self.step % every == 0 and not force:
+            (self.run_dir / "weights").mkdir(exist_ok=True)
+            save_weights(
+                self.run_dir / "weights" / f"step-{self.step:06d}.safetensors", self.trainer.model
+            )
         if not force and self.step % self.cfg.checkpoint_steps != 0:
             return
         state = TrainingState(

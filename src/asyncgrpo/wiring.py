@@ -42,7 +42,7 @@ def _engine_process(cfg: RunConfig, model_dir: str, run_dir: Path) -> EngineProc
         return None
     return EngineProcess(
         model_dir,
-        dtype=cfg.model.dtype,
+        dtype=cfg.model.engine_dtype(),
         num_threads=e.num_threads,
         max_num_seqs=e.max_num_seqs,
         max_model_len=e.max_model_len,

@@ -208,6 +208,7 @@ def test_async_run_bounds_staleness_and_accounts_for_every_group(
         max_steps=8,
         eval_steps=3,
         eval_limit=3,  # each evaluation scores the first 3 of the 5 held-out rows
+        save_weights_steps=4,
         **{"coordinator.max_staleness": 2, "rollout.filter_zero_variance": True},
     )
     metrics = train_rows(run_dir)
@@ -239,6 +240,12 @@ def test_async_run_bounds_staleness_and_accounts_for_every_group(
     trained_ids = [g.group_id for b in recorder.batches for g in b]
     assert len(trained_ids) == len(set(trained_ids))
     assert (run_dir / "checkpoints" / "latest").exists()
+    snapshots = sorted(p.name for p in (run_dir / "weights").iterdir())
+    assert snapshots == ["step-000004.safetensors", "step-000008.safetensors"]
+    final = load_file(run_dir / "weights" / "step-000008.safetensors")
+    checkpoint = load_file(run_dir / "checkpoints" / "step-000008" / "model.safetensors")
+    assert final.keys() == checkpoint.keys()
+    assert all(torch.equal(final[k], checkpoint[k]) for k in final)
 
 
 def engine_children() -> list[int]:

@@ -46,3 +46,20 @@ def test_every_field_is_documented():
     assert len(lines) > 30
     undocumented = [line for line in lines if line.endswith("# ")]
     assert undocumented == []
+
+
+def test_auto_engine_dtype_follows_the_hardware(monkeypatch):
+    import torch
+
+    from asyncgrpo import hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    assert load_config(None, []).model.engine_dtype() == "float32"
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    assert load_config(None, []).model.engine_dtype() == "bfloat16"
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert load_config(None, []).model.engine_dtype() == "bfloat16"
+    explicit = load_config(None, ["model.dtype=float32"]).model
+    assert explicit.engine_dtype() == "float32"

@@ -191,20 +191,30 @@ def plot_compare(
     run_dirs: Mapping[str, str | Path], out_png: str | Path, title: str = "held-out reward"
 ) -> Path:
     """Held-out reward vs wall-clock for several runs (train reward, dashed, if a run has no eval)."""
+    curves = {}
+    for label, path in run_dirs.items():
+        train, evals = read_metrics(path)
+        rows, key = (evals, "eval_reward_mean") if evals else (train, "reward_mean")
+        suffix = "" if evals or not rows else " (train reward)"
+        curves[label + suffix] = list(zip(_col(rows, "time_s"), _col(rows, key), strict=True))
+    return plot_curves(curves, out_png, title)
+
+
+def plot_curves(
+    curves: Mapping[str, Sequence[tuple[float, float]]],
+    out_png: str | Path,
+    title: str = "held-out reward",
+) -> Path:
+    """Reward vs wall-clock, one line per label ("(train reward)" labels are dashed)."""
     fig, (ax,) = _figure(size=(7.5, 4.5))
-    runs = {label: read_metrics(path) for label, path in run_dirs.items()}
-    all_times = [t for tr, ev in runs.values() for t in _col(ev or tr, "time_s")]
-    minutes = _time_axis(all_times)[1].endswith("(min)")
+    minutes = _time_axis([t for points in curves.values() for t, _ in points])[1].endswith("(min)")
     scale = 60.0 if minutes else 1.0
-    for label, (train, evals) in runs.items():
-        rows, key, style = (
-            (evals, "eval_reward_mean", "o-") if evals else (train, "reward_mean", "--")
-        )
-        if rows:
-            xs = [t / scale for t in _col(rows, "time_s")]
-            suffix = "" if evals else " (train reward)"
-            ax.plot(xs, _col(rows, key), style, ms=4, lw=1.4, label=label + suffix)
-    if not any(tr or ev for tr, ev in runs.values()):
+    for label, points in curves.items():
+        if points:
+            style = "--" if label.endswith("(train reward)") else "o-"
+            xs, ys = zip(*points, strict=True)
+            ax.plot([t / scale for t in xs], ys, style, ms=4, lw=1.4, label=label)
+    if not any(curves.values()):
         _no_data(ax, "metrics")
     ax.set_xlabel("wall-clock (min)" if minutes else "wall-clock (s)")
     ax.set_ylabel("reward")

@@ -90,9 +90,7 @@ def save_checkpoint(
     tmp = directory / f".tmp-step-{state.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    dedupe_shared(weights)
-    save_file(weights, tmp / "model.safetensors")
+    save_weights(tmp / "model.safetensors", model)
     opt_tensors, opt_meta = _optimizer_tensors(optimizer)
     rng_tensors, rng_meta = _rng_state()
     save_file(
@@ -119,7 +117,14 @@ def save_checkpoint(
     return final
 
 
-def dedupe_shared(weights: dict) -> None:
+def save_weights(path: str | Path, model: torch.nn.Module) -> None:
+    """The model's state dict as safetensors (tied tensors stored once)."""
+    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    _dedupe_shared(weights)
+    save_file(weights, path)
+
+
+def _dedupe_shared(weights: dict) -> None:
     """Drop aliases of tied tensors (safetensors refuses shared storage)."""
     seen: dict[tuple, str] = {}
     for name in list(weights):
