@@ -124,6 +124,21 @@ def save_weights(path: str | Path, model: torch.nn.Module) -> None:
     save_file(weights, path)
 
 
+def copy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the state dict (tied tensors once) that training can no longer change."""
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    _dedupe_shared(weights)
+    return {k: v.to("cpu", copy=True).contiguous() for k, v in weights.items()}
+
+
+def write_weights(path: str | Path, weights: dict[str, torch.Tensor]) -> None:
+    """Write safetensors atomically: a reader never sees a partial file."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
+    save_file(weights, tmp)
+    os.replace(tmp, path)
+
+
 def _dedupe_shared(weights: dict) -> None:
     """Drop aliases of tied tensors (safetensors refuses shared storage)."""
     seen: dict[tuple, str] = {}
