@@ -47,7 +47,9 @@ def base_config(tmp_path: Path, model_dir: Path, name: str, **overrides) -> dict
         "engine": {"num_threads": 1, "max_num_seqs": 16, "max_model_len": 128},
         "rollout": {"num_generations": 4, "max_tokens": 10, "filter_zero_variance": False},
         "coordinator": {"batch_groups": 2, "max_staleness": 0},
-        "trainer": {"learning_rate": 3e-3, "micro_batch_tokens": 96},
+        # fp32 on every CPU: `auto` turns bf16 autocast on where bf16 is native, and the
+        # equivalence test compares against an fp32 reference loop
+        "trainer": {"learning_rate": 3e-3, "micro_batch_tokens": 96, "bf16_autocast": False},
     }
     for key, value in overrides.items():
         node = cfg
