@@ -98,7 +98,7 @@ def summarise(
     train, _ = read_metrics(run_dir)
     steps = train[-1]["step"] if train else 0
     seconds = train[-1]["time_s"] if train else float("nan")
-    reached = next((t for t, r in curve if threshold is not None and r >= threshold), None)
+    reached = crossing_time(curve, threshold)
     # samples/s depends on how long the learned completions are; tokens/s does not
     completion_tokens = sum((row.get("completion_len_mean") or 0.0) for row in train)
     return {
@@ -117,6 +117,21 @@ def summarise(
         "curve": curve,
         "run_dir": str(run_dir),
     }
+
+
+def crossing_time(curve: list, threshold: float | None) -> float | None:
+    """When the curve [(time_s, reward)] first reaches `threshold`, interpolated linearly
+    between the two scored snapshots around the crossing, so that a system with fewer
+    (slower) steps is not charged up to a whole snapshot interval for its coarser curve."""
+    if threshold is None:
+        return None
+    for i, (t, r) in enumerate(curve):
+        if r >= threshold:
+            if i == 0:
+                return t
+            t0, r0 = curve[i - 1]
+            return t0 + (threshold - r0) / (r - r0) * (t - t0)
+    return None
 
 
 def snapshots(run_dir: Path) -> list[tuple[int, float, Path]]:

@@ -155,12 +155,14 @@ def main(argv: list[str] | None = None) -> int:
             if every and state.global_step % every == 0:  # as asyncgrpo, but off the clock
                 t0 = time.monotonic()
                 (out / "weights").mkdir(exist_ok=True)
-                save_weights(out / "weights" / f"step-{state.global_step:06d}.safetensors", model)
+                path = out / "weights" / f"step-{state.global_step:06d}.safetensors"
+                save_weights(path, model, snapshot_dtype)  # what asyncgrpo's snapshots hold
                 self.excluded += time.monotonic() - t0
             if self.elapsed() >= args_budget:
                 control.should_training_stop = True
 
     args_budget = args.budget_s
+    snapshot_dtype = getattr(torch, cfg.model.engine_dtype())
     completions_per_step = cfg.coordinator.batch_groups * cfg.rollout.num_generations
     trl_args = GRPOConfig(
         output_dir=str(out / "trl"),

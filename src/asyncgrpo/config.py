@@ -243,7 +243,8 @@ class RunConfig(Section):
     """Checkpoint every this many steps (and at exit)."""
     save_weights_steps: int | None = Field(None, ge=1)
     """Also write the model weights alone to `weights/step-NNNNNN.safetensors` every this
-    many steps. Unlike checkpoints they are all kept, e.g. to score them after the run."""
+    many steps, in the engine's dtype (`model.dtype`: the policy the engine samples with).
+    Unlike checkpoints they are all kept, e.g. to score them after the run."""
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = []
     """Extra metric sinks besides metrics.jsonl (imported lazily)."""
     dataset: dict[str, Any] = {}

@@ -8,9 +8,11 @@ import torch
 from asyncgrpo.testing import build_tiny_llama
 from asyncgrpo.trainer.checkpoint import (
     TrainingState,
+    copy_weights,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    write_weights,
 )
 
 
@@ -62,3 +64,22 @@ def test_keeps_last_checkpoints_and_ignores_partial_writes(tmp_path):
     # a crash mid-write leaves a temp dir that is never picked up
     (tmp_path / ".tmp-step-000004").mkdir()
     assert latest_checkpoint(tmp_path).name == "step-000003"
+
+
+def test_weight_snapshot_in_the_engine_dtype_is_a_detached_rounded_copy(tmp_path):
+    from safetensors.torch import load_file
+
+    model = build_tiny_llama(64, seed=0)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: stored once
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    snapshot = copy_weights(model, torch.bfloat16)
+    with torch.no_grad():  # training goes on after the copy
+        for p in model.parameters():
+            p.add_(1.0)
+    write_weights(tmp_path / "step.safetensors", snapshot)
+    saved = load_file(tmp_path / "step.safetensors")
+    assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
+    for name, tensor in saved.items():
+        assert tensor.dtype == torch.bfloat16
+        # round-to-nearest of the weights at copy time, not of the weights trained since
+        assert torch.equal(tensor, before[name].to(torch.bfloat16)), name

@@ -117,18 +117,23 @@ def save_checkpoint(
     return final
 
 
-def save_weights(path: str | Path, model: torch.nn.Module) -> None:
-    """The model's state dict as safetensors (tied tensors stored once)."""
-    weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _dedupe_shared(weights)
-    save_file(weights, path)
-
-
-def copy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the state dict (tied tensors once) that training can no longer change."""
+def save_weights(
+    path: str | Path, model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> None:
+    """The model's state dict as safetensors (tied tensors stored once), cast to `dtype`."""
     weights = {k: v.detach() for k, v in model.state_dict().items()}
     _dedupe_shared(weights)
-    return {k: v.to("cpu", copy=True).contiguous() for k, v in weights.items()}
+    save_file({k: v.to("cpu", dtype).contiguous() for k, v in weights.items()}, path)
+
+
+def copy_weights(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """A copy of the state dict (tied tensors once, cast to `dtype`) that training can no
+    longer change."""
+    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    _dedupe_shared(weights)
+    return {k: v.to("cpu", dtype, copy=True).contiguous() for k, v in weights.items()}
 
 
 def write_weights(path: str | Path, weights: dict[str, torch.Tensor]) -> None:
