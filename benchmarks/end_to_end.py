@@ -19,6 +19,9 @@ plus one plot of held-out reward vs wall-clock for all of them. `--seeds
     python benchmarks/end_to_end.py --recipe recipes/default.yaml --budget-s 900
     python benchmarks/end_to_end.py --systems async,sync --budget-s 300   # skip TRL
 
+Each seed's summary is written to `<out>[/seed<N>]/result.json`; `--reuse` continues an
+interrupted benchmark from those and from the runs that finished.
+
 The threshold defaults to the midpoint between the initial held-out reward
 and the best final one over the systems (stated in the output).
 """
@@ -216,6 +219,7 @@ ASYNC, SYNC, TRL = (
     "asyncgrpo sync (staleness 0)",
     "TRL GRPOTrainer",
 )
+SYSTEM_LABELS = {"async": ASYNC, "sync": SYNC, "trl": TRL}
 
 
 def run_seed(args, seed: int, out: Path) -> dict:
@@ -238,14 +242,25 @@ def run_seed(args, seed: int, out: Path) -> dict:
     cfg = load_config(args.recipe, overrides)
     samples_per_step = cfg.coordinator.batch_groups * cfg.rollout.num_generations
     out.mkdir(parents=True, exist_ok=True)
+    saved_result = out / "result.json"
+    if args.reuse and saved_result.exists():
+        result = json.loads(saved_result.read_text())
+        print(f"[seed {seed}] reusing {saved_result}")
+        print_seed(result, args)
+        return result
     runs: dict[str, Path] = {}
     for system in args.systems:
-        if system == "async":
-            runs[ASYNC] = run_asyncgrpo(args.recipe, out, "async", 2, args.budget_s, overrides)
-        elif system == "sync":
-            runs[SYNC] = run_asyncgrpo(args.recipe, out, "sync", 0, args.budget_s, overrides)
+        label, run_dir = SYSTEM_LABELS[system], out / system
+        if args.reuse and finished(run_dir):
+            print(f"[{system}] reusing the finished run in {run_dir}")
+            runs[label] = run_dir
         elif system == "trl":
-            runs[TRL] = run_trl(args.recipe, out, args.budget_s, overrides, args.trl_threads)
+            runs[label] = run_trl(args.recipe, out, args.budget_s, overrides, args.trl_threads)
+        else:
+            staleness = 2 if system == "async" else 0
+            runs[label] = run_asyncgrpo(
+                args.recipe, out, system, staleness, args.budget_s, overrides
+            )
 
     _, eval_rows = load_prompts(cfg.dataset, cfg.seed)
     saved = {label: snapshots(run_dir) for label, run_dir in runs.items()}
@@ -284,8 +299,20 @@ def run_seed(args, seed: int, out: Path) -> dict:
 
     title = f"held-out reward vs wall-clock ({Path(args.recipe).stem}, seed {seed})"
     result["plot"] = str(plot_curves(curves, out / "end_to_end.png", title=title))
+    saved_result.write_text(json.dumps(result, indent=1))  # a later --reuse starts from here
     print_seed(result, args)
     return result
+
+
+def finished(run_dir: Path) -> bool:
+    """A run that ended cleanly and still has its weights to score."""
+    if (run_dir / "final_model.safetensors").exists():  # TRL's baseline
+        return True
+    from asyncgrpo.trainer.checkpoint import latest_checkpoint
+
+    return (run_dir / "accounting.json").exists() and (
+        latest_checkpoint(run_dir / "checkpoints") is not None
+    )
 
 
 def fmt(x, spec=".3f"):
@@ -357,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--score-threads", type=int, default=2)
     parser.add_argument(
         "--keep-weights", action="store_true", help="keep the snapshots once they are scored"
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="continue an interrupted benchmark in --out: seeds with a result.json are "
+        "read back, finished runs are scored instead of re-run",
     )
     parser.add_argument("--out", default="benchmarks/results/end_to_end")
     parser.add_argument(

@@ -76,7 +76,8 @@ def test_two_turn_agent_trains_on_the_exact_episode_tokens(tmp_path, tiny_model_
         eval_dataset=tiny_prompt_rows(2),
     )
 
-    assert len(recorder.batches) == 3
+    accounting = json.loads((run_dir / "accounting.json").read_text())
+    assert len(recorder.batches) == 3, accounting
     recorded = {tuple(s.input_ids): s for o in outcomes for s in o.samples}
     calls_by_sequence = {}
     for calls in SAMPLED.values():
@@ -100,14 +101,15 @@ def test_two_turn_agent_trains_on_the_exact_episode_tokens(tmp_path, tiny_model_
                 ) + list(calls[0][1])
                 inserted = [i for i, m in enumerate(mask) if not m]
                 assert all(r.versions[i] == -1 and r.logprobs[i] == 0.0 for i in inserted)
-                assert {v for v, m in zip(r.versions, mask, strict=True) if m} == {step}
+                trained_versions = {v for v, m in zip(r.versions, mask, strict=True) if m}
+                assert trained_versions == {step}, (step, r.versions, mask)
     lines = read_jsonl(run_dir / "metrics.jsonl")
     train_lines = [x for x in lines if x["kind"] == "train"]
     assert [x["version"] for x in train_lines] == [1, 2, 3]
     assert all(x["turns_per_episode"] == 2 for x in train_lines if x["episodes"])
     assert all(x["branches_per_episode"] == 1 for x in train_lines if x["episodes"])
-    assert sum(x["stop_reasons"].get("ok", 0) for x in train_lines) >= 3 * 2 * 3
+    stops = [x["stop_reasons"] for x in train_lines]
+    assert sum(x.get("ok", 0) for x in stops) >= 3 * 2 * 3, stops
     evals = [x for x in lines if x["kind"] == "eval"]
-    assert evals and all(x["eval_count"] == 2 for x in evals)
-    accounting = json.loads((run_dir / "accounting.json").read_text())
-    assert accounting["consumed"] == 6
+    assert evals and all(x["eval_count"] == 2 for x in evals), evals
+    assert accounting["consumed"] == 6, accounting
