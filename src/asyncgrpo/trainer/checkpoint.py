@@ -121,9 +121,7 @@ def save_weights(
     path: str | Path, model: torch.nn.Module, dtype: torch.dtype | None = None
 ) -> None:
     """The model's state dict as safetensors (tied tensors stored once), cast to `dtype`."""
-    weights = {k: v.detach() for k, v in model.state_dict().items()}
-    _dedupe_shared(weights)
-    save_file({k: v.to("cpu", dtype).contiguous() for k, v in weights.items()}, path)
+    save_file(copy_weights(model, dtype), path)
 
 
 def copy_weights(
