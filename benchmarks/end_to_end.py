@@ -176,7 +176,7 @@ async def score_weights(cfg, files: list[Path], rows: list[dict], threads: int):
     engine = Engine(
         EngineConfig(
             model=model_dir,
-            dtype=cfg.model.engine_dtype(),
+            dtype=cfg.engine.resolved_dtype(),
             num_threads=threads,
             max_num_seqs=64,
             max_model_len=cfg.engine.max_model_len,

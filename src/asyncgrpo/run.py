@@ -1,24 +1,29 @@
 """`asyncgrpo train`: the whole asynchronous algorithm on one screen.
 
-Rollouts stream from the engine on a background loop (the orchestrator) while
-this loop takes scored groups from the buffer, steps the optimizer and sends
-weights back every `weight_sync_steps`. The buffer's throttle bounds how far
-generation runs ahead (`max_staleness`); with `max_staleness: 0` the very same
-loop is synchronous on-policy GRPO.
+Two halves run at once. The producer, `continuous_rollouts`, is a coroutine on
+the rollout loop: while the buffer's throttle admits more work, it turns the
+next prompt row into a scored group (the `GroupBuilder`: generate, score) that
+lands in the buffer. The consumer, `continuous_training`, runs on the main
+thread: it takes batches of groups from the buffer, steps the optimizer and
+sends the weights back to the engine every `weight_sync_steps`. The throttle
+bounds how far generation runs ahead (`max_staleness`); with `max_staleness: 0`
+the very same loop is synchronous on-policy GRPO.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
 from pathlib import Path
 
 from asyncgrpo.config import RunConfig
+from asyncgrpo.coordinator.buffer import BufferClosed
 from asyncgrpo.metrics import plot_run
 from asyncgrpo.metrics.progress import ProgressDisplay
-from asyncgrpo.pipeline import Pipeline, RunAborted
-from asyncgrpo.wiring import build_pipeline
+from asyncgrpo.run_context import RunAborted, RunContext, record_engine_busy
+from asyncgrpo.wiring import build_run
 
 logger = logging.getLogger(__name__)
 
@@ -26,34 +31,56 @@ logger = logging.getLogger(__name__)
 def train(cfg: RunConfig, *, resume: str | Path | None = None, **components) -> Path:
     """Train until `max_steps` (or `max_time_s`, or a signal); return the run directory."""
     stop = _stop_on_signals()
-    p: Pipeline = build_pipeline(cfg, resume=resume, **components)
+    r: RunContext = build_run(cfg, resume=resume, **components)
     try:
-        p.start_engine()
+        r.start_engine()
         if resume:
-            p.resume(Path(resume))
-        p.sync_weights()  # the engine samples with the trainer's weights from the start
-        p.start_rollouts()
-        progress = ProgressDisplay(cfg.max_steps, start_step=p.step, max_time_s=cfg.max_time_s)
-        while p.step < cfg.max_steps and not stop.is_set() and not p.out_of_time():
-            groups = p.next_batch(stop)
-            if groups is None:
-                break
-            p.maybe_eval()  # after the batch is in, so evaluating never delays it
-            with p.tracker.span("trainer"):
-                metrics = p.trainer.step(groups)
-            p.consumed(groups)
-            if p.step % cfg.coordinator.weight_sync_steps == 0:
-                p.sync_weights()
-            p.maybe_checkpoint()
-            progress.update(p.step, p.log(metrics, groups))
-        progress.close()
-        p.maybe_checkpoint(force=True)
+            r.resume()
+        r.sync_weights()  # the engine samples with the trainer's weights from the start
+        r.producer = r.loop.submit(continuous_rollouts(r))
+        continuous_training(r, stop)
+        r.checkpoint(force=True)
         if not stop.is_set():
-            p.maybe_eval(final=True)
+            r.evaluator.maybe_start(r.step, final=True)
     finally:
-        p.close()
-    plot_run(p.run_dir)
-    return p.run_dir
+        r.close()
+    plot_run(r.run_dir)
+    return r.run_dir
+
+
+async def continuous_rollouts(r: RunContext) -> None:
+    """Producer: prompt rows -> scored groups -> buffer, as fast as the throttle admits."""
+    busy = asyncio.create_task(record_engine_busy(r.engine.client, r.tracker))
+    try:
+        while not r.orchestrator.stopping:
+            try:  # the staleness throttle: block until one more group may start
+                admitted = await asyncio.to_thread(r.buffer.wait_admit, 0.2)
+            except BufferClosed:
+                break
+            if admitted:
+                r.orchestrator.start_group(*r.prompts.next())
+    finally:
+        busy.cancel()
+        await r.orchestrator.drain()
+
+
+def continuous_training(r: RunContext, stop: threading.Event) -> None:
+    """Consumer: batches -> optimizer steps; weights back to the engine as they change."""
+    cfg = r.cfg
+    progress = ProgressDisplay(cfg.max_steps, start_step=r.step, max_time_s=cfg.max_time_s)
+    while r.step < cfg.max_steps and not stop.is_set() and not r.out_of_time():
+        groups = r.next_batch(stop)  # fresh groups only: too-stale ones are dropped here
+        if groups is None:
+            break
+        r.evaluator.maybe_start(r.step)  # after the batch is in, so it never delays it
+        with r.tracker.span("trainer"):
+            metrics = r.trainer.step(groups)
+        r.consumed(groups)
+        if r.step % cfg.coordinator.weight_sync_steps == 0:
+            r.sync_weights()
+        r.checkpoint()
+        progress.update(r.step, r.log(metrics, groups))
+    progress.close()
 
 
 def _stop_on_signals() -> threading.Event:

@@ -1,24 +1,34 @@
-"""Build a `Pipeline` from a `RunConfig` and optional user objects.
+"""Build a run's roles from a `RunConfig` and optional user objects.
 
 Config names are resolved here: the model (`smollm2-135m`, a directory, a hub
-id), the dataset spec, the reward functions (built-in names or dotted paths), an agent rollout
-(`agent.rollout`, a dotted path, or `rollout_func=`: groups of episodes instead).
-Objects passed by the Python API (`AsyncGRPOTrainer(model=..., reward_funcs=...,
-train_dataset=...)`) take precedence over the config's names.
+id), the dataset spec, the reward functions (built-in names or dotted paths),
+an agent rollout (`agent.rollout`, a dotted path, or `rollout_func=`: groups of
+episodes instead). Objects passed by the Python API (`AsyncGRPOTrainer(model=...,
+reward_funcs=..., train_dataset=...)`) take precedence over the config's names.
+Each role gets its own section of the config, unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
+from asyncgrpo.backend import make_backend
 from asyncgrpo.config import RunConfig
-from asyncgrpo.engine.process import EngineProcess
-from asyncgrpo.pipeline import Pipeline
+from asyncgrpo.coordinator.buffer import RolloutBuffer
+from asyncgrpo.evaluation import Evaluator
+from asyncgrpo.loop_thread import LoopThread
+from asyncgrpo.metrics.rows import StepRows
+from asyncgrpo.rollout.orchestrator import Orchestrator
+from asyncgrpo.rollout.prompts import PromptStream
+from asyncgrpo.run_context import RunContext
+from asyncgrpo.trainer.checkpoint import Checkpointer
 
 logger = logging.getLogger(__name__)
 
@@ -35,23 +45,14 @@ def _model_dir(cfg: RunConfig, model: Any, run_dir: Path) -> str:
     return str(target)
 
 
-def _engine_process(cfg: RunConfig, model_dir: str, run_dir: Path) -> EngineProcess | None:
-    """The embedded engine's child process (not started), or None for an external engine."""
-    e = cfg.engine
-    if e.type == "external":
-        return None
-    return EngineProcess(
-        model_dir,
-        dtype=cfg.model.engine_dtype(),
-        num_threads=e.num_threads,
-        max_num_seqs=e.max_num_seqs,
-        max_model_len=e.max_model_len,
-        prefix_cache_tokens=e.prefix_cache_tokens,
-        log_path=run_dir / "engine.log",
-    )
+def _check(cfg: RunConfig, funcs: list, agent: bool) -> None:
+    if agent and len(cfg.advantage.reward_weights or [1.0]) != 1:
+        raise ValueError("advantage.reward_weights: an agent run has one reward (the rollout's)")
+    if not funcs and not agent:
+        raise ValueError("no reward functions: set `rewards:` in the recipe or pass reward_funcs")
 
 
-def build_pipeline(
+def build_run(
     cfg: RunConfig,
     *,
     resume: str | Path | None = None,
@@ -61,7 +62,7 @@ def build_pipeline(
     train_dataset: Any = None,
     eval_dataset: Any = None,
     rollout_func: Any = None,
-) -> Pipeline:
+) -> RunContext:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncgrpo.metrics.tracker import MetricsTracker
@@ -69,11 +70,7 @@ def build_pipeline(
     from asyncgrpo.rollout.rewards import RewardRunner
 
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
-    agent = rollout_func is not None or cfg.agent.rollout is not None
-    if agent and len(cfg.advantage.reward_weights or [1.0]) != 1:
-        raise ValueError("advantage.reward_weights: an agent run has one reward (the rollout's)")
-    if not funcs and not agent:
-        raise ValueError("no reward functions: set `rewards:` in the recipe or pass reward_funcs")
+    _check(cfg, funcs, rollout_func is not None or cfg.agent.rollout is not None)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
     run_dir = Path(resume) if resume else Path(cfg.output_dir) / cfg.name
@@ -81,36 +78,125 @@ def build_pipeline(
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
 
     model_dir = _model_dir(cfg, model, run_dir)
-    # The engine process loads its copy of the model while this one loads the trainer's.
-    engine = _engine_process(cfg, model_dir, run_dir)
-    if engine is not None:
-        engine.start()
+    engine_cfg = cfg.engine.model_copy(update={"model": cfg.engine.model or model_dir})
+    engine = make_backend(engine_cfg, run_dir)
+    engine.launch()  # the engine loads its copy of the model while this process loads its own
     try:
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if model is None or isinstance(model, str | Path):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        model = model.float()
-
         if train_dataset is None:
             train_dataset, loaded_eval = load_prompts(cfg.dataset, cfg.seed)
             eval_dataset = eval_dataset if eval_dataset is not None else loaded_eval
         tracker = MetricsTracker(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
-        return Pipeline(
-            cfg,
-            model=model,
-            tokenizer=tokenizer,
-            train_rows=train_dataset,
-            eval_rows=eval_dataset,
-            reward_runner=RewardRunner(funcs) if funcs else None,
-            tracker=tracker,
-            run_dir=run_dir,
-            engine=engine,
-            rollout_func=rollout_func,
+        rewards = RewardRunner(funcs) if funcs else None
+        parts = dict(
+            model=model.float(), tokenizer=tokenizer, rewards=rewards, rollout_func=rollout_func
         )
+        return _assemble(cfg, run_dir, engine, tracker, train_dataset, eval_dataset, **parts)
     except BaseException:
-        if engine is not None:
-            engine.stop()
+        asyncio.run(engine.close())
         raise
+
+
+def _assemble(
+    cfg, run_dir, engine, tracker, train_rows, eval_rows, *, model, tokenizer, rewards, rollout_func
+) -> RunContext:
+    from asyncgrpo.trainer.loop import PolicyTrainer
+
+    trainer = PolicyTrainer(
+        model,
+        cfg.trainer,
+        cfg.loss,
+        cfg.advantage,
+        max_steps=cfg.max_steps,
+        temperature=cfg.rollout.temperature or 1.0,
+        max_completion_length=cfg.rollout.max_tokens,
+    )
+    prompts = PromptStream(train_rows, cfg.seed)
+    c = cfg.coordinator
+    buffer = RolloutBuffer(
+        c.batch_groups,
+        c.max_staleness,
+        on_drop_stale=lambda g: prompts.done(g.data_index),
+        max_ahead=None
+        if c.max_ahead_batches is None
+        else math.ceil(c.max_ahead_batches * c.batch_groups),
+    )
+    builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func)
+    orchestrator = Orchestrator(
+        builder,
+        buffer,
+        prompts,
+        filter_zero_variance=cfg.rollout.filter_zero_variance,
+        max_concurrent_groups=cfg.rollout.max_concurrent_groups,
+        on_reward_error=cfg.rollout.reward_error_policy,
+    )
+    loop = LoopThread()
+    agent = isinstance(builder, _episode_builder_class())
+    evaluator = Evaluator(
+        builder,
+        eval_rows,
+        loop,
+        tracker,
+        every=cfg.eval_steps,
+        limit=cfg.eval_limit,
+        repeats=cfg.agent.eval_repeats if agent else 1,
+        timeout_s=cfg.rollout.request_timeout_s,
+    )
+    weight_dtype = getattr(torch, cfg.engine.resolved_dtype())
+    checkpoints = Checkpointer(
+        trainer, run_dir, cfg.checkpoint_steps, cfg.save_weights_steps, weight_dtype
+    )
+    return RunContext(
+        cfg=cfg,
+        run_dir=run_dir,
+        loop=loop,
+        engine=engine,
+        builder=builder,
+        buffer=buffer,
+        prompts=prompts,
+        orchestrator=orchestrator,
+        trainer=trainer,
+        evaluator=evaluator,
+        checkpoints=checkpoints,
+        rows=StepRows(tracker, buffer, builder),
+        tracker=tracker,
+        weight_dtype=weight_dtype,
+        closers=[rewards.close] if rewards is not None else [],
+    )
+
+
+def _episode_builder_class():
+    from asyncgrpo.rollout.episodes import EpisodeGroupBuilder
+
+    return EpisodeGroupBuilder
+
+
+def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func):
+    """Agent episodes (`agent.rollout`, or a function passed in), else single-turn groups."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    a = cfg.agent
+    if rollout_func is not None or a.rollout is not None:
+        from asyncgrpo.rollout.episodes import EpisodeGroupBuilder, EpisodeSettings, load_rollout
+
+        settings = EpisodeSettings(
+            cfg.rollout.num_generations,
+            a.max_turns,
+            a.episode_timeout_s,
+            a.call_timeout_s,
+            a.max_infra_retries,
+            dict(a.failure_rewards),
+        )
+        fn = rollout_func or load_rollout(a.rollout)
+        return EpisodeGroupBuilder(
+            client, fn, settings, decode, graders=rewards, advantage=cfg.advantage
+        )
+    from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
+
+    r = cfg.rollout
+    sampling = SamplingSettings(r.num_generations, r.max_tokens, r.temperature, r.top_p, cfg.seed)
+    return SingleTurnBuilder(client, tokenizer, rewards, sampling, cfg.advantage)

@@ -16,7 +16,6 @@ from transformers import AutoTokenizer
 from asyncgrpo.agents.runner import run_episode
 from asyncgrpo.agents.trajectory import ChatRenderer, StopReason
 from asyncgrpo.client import EngineClient
-from asyncgrpo.engine.process import EngineProcess
 
 CALCULATOR = {
     "type": "function",
@@ -32,21 +31,9 @@ CALCULATOR = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    proc = EngineProcess(
-        str(tiny_model_dir),
-        dtype="float32",
-        num_threads=1,
-        max_num_seqs=4,
-        extra_args=["--served-model-name", "tiny", "--max-body-mb", "1"],
-    )
-    proc.start()
-    try:
-        proc.wait_ready(120)
-        yield proc
-    finally:
-        proc.stop()
+ENGINE_SETTINGS = dict(
+    max_num_seqs=4, served_model_name="tiny", max_body_mb=1
+)  # the `server` fixture of conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -14,24 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncgrpo.client import EngineClient
-from asyncgrpo.engine.process import EngineProcess
 
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    proc = EngineProcess(
-        str(tiny_model_dir),
-        dtype="float32",
-        num_threads=1,
-        max_num_seqs=8,
-        extra_args=["--max-body-mb", "1", "--served-model-name", "tiny"],
-    )
-    proc.start()
-    try:
-        proc.wait_ready(120)
-        yield proc
-    finally:
-        proc.stop()
+ENGINE_SETTINGS = dict(
+    max_num_seqs=8, served_model_name="tiny", max_body_mb=1
+)  # the `server` fixture of conftest.py
 
 
 @pytest.fixture(scope="module")

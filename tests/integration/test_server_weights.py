@@ -13,19 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncgrpo.client import EngineClient, EngineHTTPError
-from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.transport import make_transport
 
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    proc = EngineProcess(str(tiny_model_dir), dtype="float32", num_threads=1, max_num_seqs=8)
-    proc.start()
-    try:
-        proc.wait_ready(120)
-        yield proc
-    finally:
-        proc.stop()
+ENGINE_SETTINGS = dict(max_num_seqs=8)  # the `server` fixture of conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -43,8 +43,8 @@ def base_config(tmp_path: Path, model_dir: Path, name: str, **overrides) -> dict
         "max_steps": 5,
         "eval_steps": 100,
         "checkpoint_steps": 2,
-        "model": {"name_or_path": str(model_dir), "dtype": "float32"},
-        "engine": {"num_threads": 1, "max_num_seqs": 16, "max_model_len": 128},
+        "model": {"name_or_path": str(model_dir)},
+        "engine": {"dtype": "float32", "num_threads": 1, "max_num_seqs": 16, "max_model_len": 128},
         "rollout": {"num_generations": 4, "max_tokens": 10, "filter_zero_variance": False},
         "coordinator": {"batch_groups": 2, "max_staleness": 0},
         # fp32 on every CPU: `auto` turns bf16 autocast on where bf16 is native, and the
@@ -407,11 +407,11 @@ def test_kill_9_then_resume_continues_from_the_checkpoint(tmp_path, tiny_model_d
 def test_a_build_that_fails_after_the_engine_started_stops_it(tmp_path, tiny_model_dir):
     """The engine starts before the trainer's model loads; a later error must not orphan it."""
     from asyncgrpo.config import RunConfig
-    from asyncgrpo.wiring import build_pipeline
+    from asyncgrpo.wiring import build_run
 
     cfg = base_config(tmp_path, tiny_model_dir, "bad-data")
     cfg["dataset"] = {"path": str(tmp_path / "missing.jsonl")}
     cfg["rewards"] = ["asyncgrpo.testing:even_token_reward"]
     with pytest.raises(Exception, match="missing.jsonl"):
-        build_pipeline(RunConfig.model_validate(cfg))
+        build_run(RunConfig.model_validate(cfg))
     assert engine_children() == []

@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from asyncgrpo.trainer.advantages import AdvantageConfig, compute_advantages
 
@@ -71,9 +72,12 @@ def test_batch_and_no_scaling():
     rows, ids = [[1.0], [3.0], [10.0], [14.0]], [0, 0, 1, 1]
     # batch: mean 7, deviations -6 -4 3 7, sum of squares 110, unbiased var 110/3
     s = math.sqrt(110 / 3) + EPS
-    batch = compute_advantages(rows, ids, AdvantageConfig(scale="batch"))
+    batch = compute_advantages(rows, ids, AdvantageConfig(scale_rewards="batch"))
     close(batch.advantages, [-1 / s, 1 / s, -2 / s, 2 / s])  # centred on the group means 2, 12
-    close(compute_advantages(rows, ids, AdvantageConfig(scale="none")).advantages, [-1, 1, -2, 2])
+    close(
+        compute_advantages(rows, ids, AdvantageConfig(scale_rewards="none")).advantages,
+        [-1, 1, -2, 2],
+    )
 
 
 def test_normalize_then_sum():
@@ -98,8 +102,10 @@ def test_bad_input_is_refused():
         compute_advantages([[1.0], [1.0, 2.0]], [0, 0], AdvantageConfig())
     with pytest.raises(ValueError, match="weights"):
         compute_advantages([[1.0], [2.0]], [0, 0], AdvantageConfig(), weights=[1.0, 1.0])
-    with pytest.raises(ValueError, match="scale"):
-        AdvantageConfig(scale="rank")
+    with pytest.raises(ValidationError, match="scale"):
+        AdvantageConfig(scale_rewards="rank")
+    with pytest.raises(ValidationError, match="combine"):
+        AdvantageConfig(combine="mean")
     empty = compute_advantages([], [], AdvantageConfig())
     assert empty.advantages.shape == (0,) and empty.degenerate.shape == (0,)
 
@@ -148,5 +154,5 @@ def test_random_batches_match_a_loop_reference(scale):
         rows[0] = [1.0, 2.0, 3.0]
         rows[1] = [0.0, None, -1.0]
         weights = [rng.uniform(0.1, 2) for _ in range(3)]
-        got = compute_advantages(rows, ids, AdvantageConfig(scale=scale), weights)
+        got = compute_advantages(rows, ids, AdvantageConfig(scale_rewards=scale), weights)
         close(got.advantages, reference(rows, ids, weights, scale))

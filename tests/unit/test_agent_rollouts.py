@@ -135,18 +135,12 @@ def test_orchestrator_counts_a_dropped_agent_group_under_its_reason():
         def done(self, position):
             self.done_positions.append(position)
 
+    class Dropping:
+        generated_tokens = 0
+        build = staticmethod(drop)
+
     prompts = Prompts()
-    orch = Orchestrator(
-        client=None,
-        buffer=buffer,
-        prompts=prompts,
-        render=None,
-        decode=None,
-        score=None,
-        is_zero_variance=None,
-        settings=None,
-        build_group=drop,
-    )
+    orch = Orchestrator(Dropping(), buffer, prompts)
     asyncio.run(orch._run_group(0, 9, {}))
     assert orch.failures["infra_error"] == 1 and prompts.done_positions == [9]
     assert buffer.snapshot()["dropped"] == {"infra_error": 1}
@@ -156,17 +150,7 @@ def test_orchestrator_counts_sampled_tokens_of_agent_groups():
     buffer = RolloutBuffer(1, 0)
     assert buffer.wait_admit(0.1)
     b, _ = builder([outcome(1.0), outcome(0.0)], num_generations=2)
-    orch = Orchestrator(
-        client=None,
-        buffer=buffer,
-        prompts=None,
-        render=None,
-        decode=None,
-        score=None,
-        is_zero_variance=None,
-        settings=None,
-        build_group=b.build,
-    )
+    orch = Orchestrator(b, buffer, prompts=None)
     asyncio.run(orch._run_group(0, 0, {}))
     assert orch.generated_tokens == 8  # sampled only, tool tokens excluded
     assert len(buffer.get_batch(0, timeout=1)[0].rollouts) == 2
@@ -182,14 +166,19 @@ def test_sampled_mask_pads_and_defaults_to_ones():
 
 def test_trainer_ignores_inserted_tokens():
     """Changing the tokens and log-probs at mask-0 positions changes neither loss nor gradient."""
+    from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
     from asyncgrpo.testing import build_tiny_llama
-    from asyncgrpo.trainer.advantages import AdvantageConfig
-    from asyncgrpo.trainer.loop import OptimConfig, PolicyTrainer
-    from asyncgrpo.trainer.losses import LossConfig
+    from asyncgrpo.trainer.loop import PolicyTrainer
 
     def run(inserted_logprob: float) -> tuple[float, torch.Tensor]:
         model = build_tiny_llama(64, seed=1)
-        trainer = PolicyTrainer(model, LossConfig(), AdvantageConfig(), OptimConfig())
+        trainer = PolicyTrainer(
+            model,
+            TrainerConfig(bf16_autocast=False),
+            LossConfig(),
+            AdvantageConfig(),
+            max_steps=100,
+        )
         mask = [1, 1, 0, 0, 1]
         rollouts = [
             Rollout(

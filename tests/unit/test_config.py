@@ -55,11 +55,13 @@ def test_auto_engine_dtype_follows_the_hardware(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
-    assert load_config(None, []).model.engine_dtype() == "float32"
+    assert load_config(None, []).engine.resolved_dtype() == "float32"
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
-    assert load_config(None, []).model.engine_dtype() == "bfloat16"
+    assert load_config(None, []).engine.resolved_dtype() == "bfloat16"
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert load_config(None, []).model.engine_dtype() == "bfloat16"
-    explicit = load_config(None, ["model.dtype=float32"]).model
-    assert explicit.engine_dtype() == "float32"
+    assert load_config(None, []).engine.resolved_dtype() == "bfloat16"
+    explicit = load_config(None, ["engine.dtype=float32"]).engine
+    assert explicit.resolved_dtype() == "float32"
+    with pytest.raises(ConfigError, match="'model.dtype' moved to 'engine.dtype'"):
+        load_config(None, ["model.dtype=float32"])

@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from asyncgrpo.trainer.losses import LOSSES, LossConfig, LossInputs, compute_loss
 
@@ -28,7 +29,7 @@ def reference(case: dict, cfg: dict) -> tuple[float, list[list[float]]]:
     old = case["old"] if case.get("old") is not None else case["engine"]
     engine, prox = case["engine"], case.get("prox")
     anchor = prox if prox is not None else old
-    loss_name = cfg.get("loss", "clipped")
+    loss_name = cfg.get("name", "clipped")
     centre = anchor if loss_name == "decoupled_ppo" else old
     cap = cfg.get("correction_cap", 2.0)
     mode = cfg.get("correction", "token_truncate")
@@ -182,7 +183,7 @@ def check(case: dict, cfg: dict, rtol: float = 1e-10):
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("correction", CORRECTIONS)
 def test_every_combination_matches_the_reference(loss, level, aggregation, correction):
-    cfg = dict(loss=loss, ratio_level=level, aggregation=aggregation, correction=correction)
+    cfg = dict(name=loss, ratio_level=level, aggregation=aggregation, correction=correction)
     for seed in range(3):
         case = random_case(seed)
         if seed == 1:
@@ -207,7 +208,7 @@ def test_every_combination_matches_the_reference(loss, level, aggregation, corre
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_options_match_the_reference(options, loss, level):
     for seed in range(3):
-        cfg = dict(loss=loss, ratio_level=level, correction=CORRECTIONS[seed + 1], **options)
+        cfg = dict(name=loss, ratio_level=level, correction=CORRECTIONS[seed + 1], **options)
         check(random_case(10 + seed), cfg)
 
 
@@ -216,7 +217,7 @@ def test_options_match_the_reference(options, loss, level):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_extreme_ratios_stay_finite_and_exact(loss, correction, level):
     case = random_case(7, extreme=True)
-    check(case, dict(loss=loss, correction=correction, ratio_level=level, delta=3.0, beta=0.1))
+    check(case, dict(name=loss, correction=correction, ratio_level=level, delta=3.0, beta=0.1))
 
 
 def finite_difference(case: dict, cfg: dict, h: float = 1e-6):
@@ -239,7 +240,7 @@ def finite_difference(case: dict, cfg: dict, h: float = 1e-6):
     [
         dict(),
         dict(aggregation="grpo", correction="sequence_truncate", epsilon_high=0.1),
-        dict(loss="decoupled_ppo", aggregation="dr_grpo", correction="none", delta=1.4),
+        dict(name="decoupled_ppo", aggregation="dr_grpo", correction="none", delta=1.4),
         dict(aggregation="bnpo", correction="token_mask", beta=0.2, opsm_delta=0.1),
     ],
 )
@@ -301,8 +302,8 @@ def split_rows(case: dict, rows: slice) -> dict:
     "cfg",
     [
         dict(),
-        dict(loss="cispo", ratio_level="sequence", correction="sequence_mask", correction_cap=3.0),
-        dict(loss="decoupled_ppo", correction="token_mask", beta=0.1, opsm_delta=0.1),
+        dict(name="cispo", ratio_level="sequence", correction="sequence_mask", correction_cap=3.0),
+        dict(name="decoupled_ppo", correction="token_mask", beta=0.1, opsm_delta=0.1),
     ],
 )
 def test_micro_batches_sum_to_the_batch(aggregation, cfg):
@@ -359,7 +360,7 @@ def test_data_parallel_mean_of_rank_gradients(aggregation):
 def test_on_policy_weights_are_one_and_every_correction_is_a_no_op(loss, level):
     case = random_case(8)
     case["old"] = case["engine"] = case["prox"] = case["lp"]
-    base = dict(loss=loss, ratio_level=level, opsm_delta=0.0)
+    base = dict(name=loss, ratio_level=level, opsm_delta=0.0)
     plain_loss, plain_grad, _ = run(case, dict(base, correction="none"))
     for correction in CORRECTIONS[1:]:
         loss_value, grad, metrics = run(case, dict(base, correction=correction))
@@ -393,7 +394,7 @@ def test_fully_masked_micro_batch_is_a_connected_zero(aggregation, loss):
         num_global_tokens=10.0,
         num_global_sequences=4.0,
     )
-    loss_value, metrics = compute_loss(inputs, LossConfig(loss=loss, aggregation=aggregation))
+    loss_value, metrics = compute_loss(inputs, LossConfig(name=loss, aggregation=aggregation))
     assert loss_value.item() == 0.0 and loss_value.grad_fn is not None
     loss_value.backward()
     assert torch.equal(lp.grad, torch.zeros(2, 3, dtype=torch.float64))
@@ -453,12 +454,20 @@ def test_mask_modes_zero_tokens_outside_the_cap_and_opsm_drops_sequences():
 
 
 def test_bad_configs_are_refused_with_the_names():
-    with pytest.raises(ValueError, match="clipped.*decoupled_ppo"):
-        LossConfig(loss="ppo2")
-    with pytest.raises(ValueError, match="aggregation"):
+    with pytest.raises(ValidationError, match="clipped.*decoupled_ppo"):
+        LossConfig(name="ppo2")
+    with pytest.raises(ValidationError, match="aggregation"):
         LossConfig(aggregation="mean")
-    with pytest.raises(ValueError, match="correction_cap"):
+    with pytest.raises(ValidationError, match="correction_cap"):
         LossConfig(correction="token_mask", correction_cap=0.5)
+    for field, bad in (
+        ("correction_cap", 0.0),
+        ("correction", "clip"),
+        ("ratio_level", "word"),
+        ("beta", -0.1),
+    ):
+        with pytest.raises(ValidationError, match=field):
+            LossConfig(**{field: bad})
     lp = torch.zeros(1, 2, requires_grad=True)
     with pytest.raises(ValueError, match="ref_logprobs"):
         compute_loss(

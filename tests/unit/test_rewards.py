@@ -6,8 +6,7 @@ import threading
 import numpy as np
 import pytest
 
-from asyncgrpo.rollout.orchestrator import RewardFailure
-from asyncgrpo.rollout.rewards import RewardError, RewardRunner, RewardSpecError
+from asyncgrpo.rollout.rewards import RewardError, RewardFailure, RewardRunner, RewardSpecError
 from asyncgrpo.tasks.arithmetic import arithmetic_reward
 
 CHAT_ROW = {"prompt": [{"role": "user", "content": "What is 3 + 4?"}], "answer": "7", "level": 2}

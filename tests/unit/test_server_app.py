@@ -6,6 +6,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.engine import Engine
 from asyncgrpo.server import ServerSettings, create_app
 from asyncgrpo.transport.layout import plan_layout, write_image
@@ -20,8 +21,7 @@ class FakeEngine:
     dtype = torch.bfloat16
     tokenizer = None
 
-    class config:
-        max_num_seqs = 4
+    config = EngineConfig(model="/models/fake", max_num_seqs=4, max_model_len=64)
 
     def __init__(self):
         self.alive = False

@@ -15,10 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from asyncgrpo.config import EngineConfig
 
 
 def free_port() -> int:
@@ -56,62 +59,45 @@ def exit_with_parent(period: float = 1.0) -> None:
 
 
 class EngineProcess:
-    """A supervised `asyncgrpo serve` child process bound to 127.0.0.1."""
+    """A supervised `asyncgrpo serve` child process bound to 127.0.0.1.
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "bfloat16",
-        num_threads: int | None = None,
-        max_num_seqs: int | None = None,
-        max_model_len: int | None = None,
-        prefix_cache_tokens: int | None = None,
-        log_path: str | Path | None = None,
-        extra_args: list[str] | None = None,
-    ):
-        self.model = model
-        self.dtype = dtype
-        self.num_threads = num_threads
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.prefix_cache_tokens = prefix_cache_tokens
+    The child receives `config` as one JSON file and validates it with the same
+    `EngineConfig` model, so a recipe's engine settings arrive exactly as written.
+    """
+
+    def __init__(self, config: EngineConfig, *, log_path: str | Path | None = None):
+        if config.model is None:
+            raise EngineProcessError("EngineConfig.model: no model directory given")
+        self.config = config
         self.log_path = Path(log_path) if log_path else None
-        self.extra_args = extra_args or []
         self.admin_token = secrets.token_urlsafe(24)
         self.port = 0
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
         self._log = None
+        self._config_file: str | None = None
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [
+        if self._config_file is None:
+            fd, self._config_file = tempfile.mkstemp(prefix="asyncgrpo-engine-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(self.config.model_dump_json())
+        return [
             sys.executable,
             "-m",
             "asyncgrpo.cli",
             "serve",
-            "--model",
-            self.model,
+            "--config",
+            self._config_file,
             "--host",
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--dtype",
-            self.dtype,
         ]
-        if self.num_threads:
-            cmd += ["--num-threads", str(self.num_threads)]
-        if self.max_num_seqs:
-            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
-        if self.max_model_len:
-            cmd += ["--max-model-len", str(self.max_model_len)]
-        if self.prefix_cache_tokens is not None:
-            cmd += ["--prefix-cache-tokens", str(self.prefix_cache_tokens)]
-        return cmd + self.extra_args
 
     def start(self) -> None:
         if self.alive():
@@ -121,8 +107,8 @@ class EngineProcess:
         env = dict(
             os.environ, ASYNCGRPO_ADMIN_TOKEN=self.admin_token, **{PARENT_PID_ENV: str(os.getpid())}
         )
-        if self.num_threads:
-            env["OMP_NUM_THREADS"] = str(self.num_threads)
+        if self.config.num_threads:
+            env["OMP_NUM_THREADS"] = str(self.config.num_threads)
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "ab")
@@ -175,6 +161,9 @@ class EngineProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self._config_file is not None:
+            Path(self._config_file).unlink(missing_ok=True)
+            self._config_file = None
 
     def kill(self) -> None:
         """SIGKILL the child without cleanup (for fault-injection tests)."""

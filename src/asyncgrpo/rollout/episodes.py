@@ -51,17 +51,13 @@ from typing import Any
 
 from asyncgrpo.agents.runner import EpisodeOutcome, run_episode, training_row
 from asyncgrpo.agents.trajectory import StopReason
+from asyncgrpo.config import AdvantageConfig
+from asyncgrpo.rollout.builder import GroupDropped, is_zero_variance
 from asyncgrpo.rollout.types import Group, Rollout
 
+__all__ = ["EpisodeGroupBuilder", "EpisodeSettings", "GroupDropped", "load_rollout"]
+
 logger = logging.getLogger(__name__)
-
-
-class GroupDropped(Exception):
-    """The group will not be trained on; `reason` is what the buffer counts it as."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 @dataclass
@@ -167,6 +163,7 @@ class EpisodeGroupBuilder:
         decode: Callable[[list[int]], str],
         run: Callable[..., Awaitable[EpisodeOutcome]] | None = None,
         graders: Any = None,
+        advantage: AdvantageConfig | None = None,
     ):
         self.client = client
         self.rollout_fn = rollout_fn
@@ -174,7 +171,12 @@ class EpisodeGroupBuilder:
         self.decode = decode
         self.run = run  # None: `run_episode` (tests pass a fake, or wrap it)
         self.graders = graders  # a RewardRunner over final replies (metrics only), or None
+        self.advantage = advantage or AdvantageConfig()
         self.stats = EpisodeStats()
+        self.generated_tokens = 0
+
+    def take_stats(self) -> dict[str, Any]:
+        return self.stats.take()
 
     async def build(self, group_id: int, position: int, row: dict) -> Group:
         """The group of `row`, or `GroupDropped` (infra_error, degenerate)."""
@@ -194,8 +196,9 @@ class EpisodeGroupBuilder:
             raise GroupDropped("degenerate", f"{len(trainable)} trainable episodes: {reasons}")
         await self.grade(row, trainable, self.stats)
         rollouts = [r for o in trainable for r in self.rollouts_of(o)]
+        self.generated_tokens += sum(r.num_sampled for r in rollouts)
         group = Group(group_id, position, row, rollouts)
-        group.zero_variance = len({o.reward for o in trainable}) < 2
+        group.zero_variance = is_zero_variance(rollouts, self.advantage)
         return group
 
     async def episode(self, row: dict, stats: EpisodeStats | None = None) -> EpisodeOutcome:

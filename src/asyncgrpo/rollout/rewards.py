@@ -35,7 +35,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from asyncgrpo.rollout.orchestrator import RewardFailure
+
+class RewardFailure(Exception):
+    """A group could not be scored; the orchestrator drops it (or stops the run)."""
 
 
 class RewardError(RewardFailure):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from asyncgrpo.agents.toolcalls import get_parser
+from asyncgrpo.config import EngineConfig
 from asyncgrpo.server import control_routes, episodes, openai_routes
 from asyncgrpo.server.errors import install_error_handlers
 from asyncgrpo.server.limits import BodyLimitMiddleware
@@ -44,6 +45,21 @@ class ServerSettings:
     """An episode with no call for this long is closed (its samples are dropped)."""
     max_episode_turns: int = 1000
     """Calls one episode may make, whatever the episode asked for when it was opened."""
+
+    @classmethod
+    def from_config(
+        cls, cfg: EngineConfig, admin_token: str | None, default_name: str
+    ) -> ServerSettings:
+        """The server part of an engine's config (the token never travels in it)."""
+        return cls(
+            admin_token=admin_token,
+            served_model_name=cfg.served_model_name or default_name,
+            max_body_bytes=int(cfg.max_body_mb * MiB),
+            max_weight_body_bytes=int(cfg.max_weight_body_mb * MiB),
+            tool_parser=cfg.tool_parser,
+            max_open_episodes=cfg.max_open_episodes,
+            episode_idle_timeout_s=cfg.episode_idle_timeout_s,
+        )
 
 
 def create_app(engine, settings: ServerSettings | None = None) -> FastAPI:

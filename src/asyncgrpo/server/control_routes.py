@@ -111,6 +111,7 @@ async def server_info(request: Request):
         "weight_transfer_backend": request.app.state.weights.backend,
         "world_size": 1,
         "stats": engine.stats(),
+        "engine_config": engine.config.model_dump(),  # every setting the engine runs with
         # the nesting vLLM's /server_info?config_format=json uses, for clients written for it
         "vllm_config": {
             "model_config": {

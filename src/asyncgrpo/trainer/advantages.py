@@ -2,10 +2,12 @@
 
 One function serves the orchestrator (flag zero-variance groups as they are
 scored) and the trainer (advantages of the whole batch), so streaming and batch
-scoring cannot disagree.
+scoring cannot disagree. Its options are the recipe's `advantage` section,
+`asyncgrpo.config.AdvantageConfig` (re-exported here).
 
 For each sample, `rewards` holds one entry per reward function; `None` or NaN
-means that function gave no reward for it. With weights w_f (default 1):
+means that function gave no reward for it. With weights w_f (`reward_weights`,
+default 1):
 
 - `combine="sum_then_normalize"` (default): the sample's reward is
   R = Σ_f w_f·r_f over the functions that scored it (a missing reward excludes
@@ -18,9 +20,10 @@ means that function gave no reward for it. With weights w_f (default 1):
 
 Normalising values x within their group g (over the valid samples only):
 Â = (x − mean_g) / (std + ε), std the sample standard deviation (unbiased,
-n − 1, as `torch.std`) of the group (`scale="group"`), of all valid samples of
-the batch (`scale="batch"`; the mean stays the group's), or no division at
-all (`scale="none"`: Â = x − mean_g). ε = 1e-4 by default.
+n − 1, as `torch.std`) of the group (`scale_rewards="group"`), of all valid
+samples of the batch (`scale_rewards="batch"`; the mean stays the group's), or
+no division at all (`scale_rewards="none"`: Â = x − mean_g). ε is `epsilon`
+(1e-4 by default).
 
 A sample no function scored is masked: advantage 0, reward NaN, mask False.
 A group with fewer than two valid samples, or whose valid values are all
@@ -31,31 +34,11 @@ is so for every function (its advantages are then all 0).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-SCALES = ("group", "batch", "none")
-COMBINES = ("sum_then_normalize", "normalize_then_sum")
-
-
-@dataclass
-class AdvantageConfig:
-    scale: str = "group"
-    """Divide by the reward std of the group, of the batch, or not at all."""
-    combine: str = "sum_then_normalize"
-    """How several reward functions are combined (see the module docstring)."""
-    epsilon: float = 1e-4
-    """Added to the std before dividing."""
-
-    def __post_init__(self) -> None:
-        if self.scale not in SCALES:
-            raise ValueError(f"AdvantageConfig.scale={self.scale!r}; expected one of {SCALES}")
-        if self.combine not in COMBINES:
-            raise ValueError(
-                f"AdvantageConfig.combine={self.combine!r}; expected one of {COMBINES}"
-            )
+from asyncgrpo.config import AdvantageConfig
 
 
 @dataclass
@@ -68,14 +51,6 @@ class AdvantageResult:
     group_index: np.ndarray  # (N,) int: each sample's position in `group_ids`
     reward_matrix: np.ndarray  # (N, F) raw rewards, NaN where missing
 
-    def function_means(self) -> list[float]:
-        """NaN-aware mean of each reward function over the samples it scored."""
-        out = []
-        for column in self.reward_matrix.T:
-            valid = ~np.isnan(column)
-            out.append(float(column[valid].mean()) if valid.any() else math.nan)
-        return out
-
 
 def compute_advantages(
     rewards: list[list[float | None]],
@@ -83,11 +58,15 @@ def compute_advantages(
     cfg: AdvantageConfig,
     weights: list[float] | None = None,
 ) -> AdvantageResult:
-    """Advantages of N samples from their per-function rewards and group ids."""
+    """Advantages of N samples from their per-function rewards and group ids.
+
+    `weights` (one per reward function) default to `cfg.reward_weights`, then to all 1.
+    """
     if len(rewards) != len(group_ids):
         raise ValueError(f"{len(rewards)} reward rows for {len(group_ids)} group ids")
     matrix = reward_matrix(rewards)  # (N, F)
     n, f = matrix.shape
+    weights = cfg.reward_weights if weights is None else weights
     w = np.ones(f) if weights is None else np.asarray(weights, dtype=np.float64)
     if w.shape != (f,):
         raise ValueError(f"{len(w)} reward weights for {f} reward functions")
@@ -138,10 +117,10 @@ def normalize(
     np.minimum.at(low, gidx[valid], values[valid])
     degenerate = (count < 2) | (high == low)  # (G,)
     centred = np.where(valid, values - mean[gidx], 0.0)  # (N,)
-    if cfg.scale == "none":
+    if cfg.scale_rewards == "none":
         adv = centred
     else:
-        if cfg.scale == "group":
+        if cfg.scale_rewards == "group":
             squares = np.bincount(gidx, weights=centred**2, minlength=num_groups)
             std = np.sqrt(squares / np.maximum(count - 1, 1))[gidx]  # (N,)
         else:

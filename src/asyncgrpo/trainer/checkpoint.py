@@ -3,7 +3,9 @@
 A checkpoint is a directory `checkpoints/step-000123/` holding the model weights
 (`model.safetensors`), the optimizer's tensors flattened into
 `optimizer.safetensors`, and everything else — optimizer hyper-parameters,
-scheduler, data position, policy version, RNG states — in `state.json`. It is
+scheduler, data position, policy version, RNG states — in `state.json`.
+`Checkpointer` holds the verbs the training loop uses: checkpoint every
+`checkpoint_steps`, snapshot the weights alone every `save_weights_steps`, resume. It is
 written into a temporary directory and renamed into place, so a crash leaves
 either the previous checkpoint or the new one, never half of one; `latest`
 names the newest complete checkpoint.
@@ -11,10 +13,12 @@ names the newest complete checkpoint.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import random
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,7 +133,14 @@ def copy_weights(
 ) -> dict[str, torch.Tensor]:
     """A copy of the state dict (tied tensors once, cast to `dtype`) that training can no
     longer change."""
-    weights = {k: v.detach() for k, v in model.state_dict().items()}
+    return copy_named(model.state_dict().items(), dtype)
+
+
+def copy_named(
+    named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """`copy_weights` of (name, tensor) pairs that still share the model's storage."""
+    weights = {k: v.detach() for k, v in named}
     _dedupe_shared(weights)
     return {k: v.to("cpu", dtype, copy=True).contiguous() for k, v in weights.items()}
 
@@ -192,3 +203,64 @@ def _is_tied_alias(model: torch.nn.Module, name: str) -> bool:
         or name == "lm_head.weight"
         and getattr(model.config, "tie_word_embeddings", False)
     )
+
+
+class Checkpointer:
+    """When a run checkpoints and snapshots its weights, and how it resumes.
+
+    The trainer writes and reads its own checkpoints (`save_checkpoint` /
+    `load_checkpoint`, so a multi-process trainer can shard them); this class only
+    decides when, and writes weight snapshots in the background.
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        run_dir: Path,
+        every: int,
+        snapshot_every: int | None,
+        snapshot_dtype: torch.dtype,
+    ):
+        self.trainer = trainer
+        self.directory = Path(run_dir) / "checkpoints"
+        self.weights_directory = Path(run_dir) / "weights"
+        self.every = every
+        self.snapshot_every = snapshot_every
+        self.snapshot_dtype = snapshot_dtype
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "weights-writer")
+        self._writing: concurrent.futures.Future | None = None
+
+    def maybe_save(self, step: int, data_position: dict, time_s: float, force: bool = False):
+        """Snapshot the weights and checkpoint when `step` is due (`force`: checkpoint now)."""
+        if self.snapshot_every and step % self.snapshot_every == 0 and not force:
+            self._snapshot(step)
+        if force or step % self.every == 0:
+            state = TrainingState(step, self.trainer.version, data_position, {"time_s": time_s})
+            self.trainer.save_checkpoint(self.directory, state)
+
+    def resume(self) -> TrainingState:
+        """Restore the newest checkpoint into the trainer; its scalar state for the rest."""
+        path = latest_checkpoint(self.directory)
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint to resume from in {self.directory}")
+        return self.trainer.load_checkpoint(path)
+
+    def _snapshot(self, step: int) -> None:
+        """Copy the weights now (in the engine's dtype: the policy that samples), write them
+        in the background. For the 135M demo model in fp32 the copy took 0.3-0.4 s, writing
+        0.8-1.3 s alone and 1.5-2.5 s beside a run; bf16 halves both."""
+        weights = copy_named(self.trainer.named_weights(), self.snapshot_dtype)
+        self.wait()  # one write at a time: memory stays bounded
+        self.weights_directory.mkdir(exist_ok=True)
+        path = self.weights_directory / f"step-{step:06d}.safetensors"
+        self._writing = self._writer.submit(write_weights, path, weights)
+
+    def wait(self) -> None:
+        """Wait for the snapshot being written."""
+        if self._writing is not None:
+            self._writing.result()
+            self._writing = None
+
+    def close(self) -> None:
+        self.wait()
+        self._writer.shutdown()

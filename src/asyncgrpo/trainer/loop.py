@@ -13,6 +13,10 @@ staleness is corrected by the behaviour weights π_θ/π_engine of `corrections.
 `old_logprobs: engine` reproduces TRL's async trainer (ratio against the sampler).
 Micro-batches are planned by a token budget and packed without padding; every
 loss is normalised by the whole step's counts, so accumulation is exact.
+
+`PolicyTrainer` takes the recipe's `trainer`, `loss` and `advantage` sections
+(`asyncgrpo.config`) as they are, plus the few numbers that live elsewhere in a
+recipe (`max_steps`, the sampling temperature, the completion length limit).
 """
 
 from __future__ import annotations
@@ -20,14 +24,17 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
 from asyncgrpo.rollout.types import Group, Rollout
-from asyncgrpo.trainer.advantages import AdvantageConfig, compute_advantages
-from asyncgrpo.trainer.losses import LossConfig, LossInputs, compute_loss
+from asyncgrpo.trainer.advantages import compute_advantages
+from asyncgrpo.trainer.checkpoint import TrainingState, load_checkpoint, save_checkpoint
+from asyncgrpo.trainer.losses import LossInputs, compute_loss
 from asyncgrpo.trainer.packing import (
     enable_packed_attention,
     packed_token_logprobs,
@@ -36,32 +43,18 @@ from asyncgrpo.trainer.packing import (
 )
 
 
-@dataclass
-class OptimConfig:
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | linear | cosine
-    max_steps: int = 100
-    max_grad_norm: float = 1.0
-    micro_batch_tokens: int = 4096
-    bf16_autocast: bool = False
-    old_logprobs: str = "current"  # current | engine
-    temperature: float = 1.0
-    max_completion_length: int | None = None
-
-
-def lr_lambda(cfg: OptimConfig):
-    """Warmup then constant, linear or cosine decay to 0 at max_steps."""
+def lr_lambda(trainer: TrainerConfig, max_steps: int):
+    """Warmup then constant, linear or cosine decay to 0 at `max_steps`."""
+    warmup, schedule = trainer.warmup_steps, trainer.lr_schedule
 
     def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        if cfg.lr_schedule == "constant":
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if schedule == "constant":
             return 1.0
-        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        progress = (step - warmup) / max(1, max_steps - warmup)
         progress = min(1.0, progress)
-        if cfg.lr_schedule == "linear":
+        if schedule == "linear":
             return 1.0 - progress
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -80,38 +73,67 @@ def make_adamw(params: list[torch.nn.Parameter], **options) -> torch.optim.AdamW
         return torch.optim.AdamW(params, **options)
 
 
+@dataclass
+class StepTotals:
+    """Sums over one step's micro-batches; loss metrics weighted by their loss tokens."""
+
+    loss: float = 0.0
+    tokens: float = 0.0
+    weighted: dict[str, float] = field(default_factory=dict)
+
+    def add(self, loss: float, tokens: float, metrics: dict[str, float]) -> None:
+        self.loss += loss
+        self.tokens += tokens
+        for key, value in metrics.items():
+            if value is not None and not math.isnan(value):
+                self.weighted[key] = self.weighted.get(key, 0.0) + value * tokens
+
+    def means(self) -> dict[str, float]:
+        """Token-weighted mean of each metric (NaN values left out)."""
+        return {k: v / self.tokens for k, v in self.weighted.items()} if self.tokens else {}
+
+
 class PolicyTrainer:
     """Owns the trained model, its optimizer and schedule, and the policy version."""
 
     def __init__(
         self,
         model: torch.nn.Module,
+        trainer: TrainerConfig,
         loss: LossConfig,
         advantage: AdvantageConfig,
-        optim: OptimConfig,
-        reward_weights: list[float] | None = None,
+        *,
+        max_steps: int,
+        temperature: float = 1.0,
+        max_completion_length: int | None = None,
     ):
+        """`temperature`: the sampler's, divided out of the logits; `max_completion_length`:
+        dr_grpo's constant length (None: the longest completion of each batch)."""
         self.model = model
+        self.trainer_cfg = trainer
         self.loss_cfg = loss
         self.adv_cfg = advantage
-        self.cfg = optim
-        self.reward_weights = reward_weights
+        self.max_steps = max_steps
+        self.temperature = temperature
+        self.max_completion_length = max_completion_length
+        self.bf16_autocast = trainer.use_bf16_autocast()
         enable_packed_attention(model)
         model.train()
         self.optimizer = make_adamw(
             [p for p in model.parameters() if p.requires_grad],
-            lr=optim.learning_rate,
-            weight_decay=optim.weight_decay,
+            lr=trainer.learning_rate,
+            weight_decay=trainer.weight_decay,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(trainer, max_steps)
+        )
         self.version = 0
 
     def advantages(self, groups: list[Group]) -> np.ndarray:
+        """Advantages of the batch (weighted by `advantage.reward_weights`); sets `reward`."""
         rollouts = [r for g in groups for r in g.rollouts]
         ids = [g.group_id for g in groups for _ in g.rollouts]
-        result = compute_advantages(
-            [r.rewards for r in rollouts], ids, self.adv_cfg, self.reward_weights
-        )
+        result = compute_advantages([r.rewards for r in rollouts], ids, self.adv_cfg)
         for r, reward in zip(rollouts, result.rewards, strict=True):
             r.reward = float(reward)
         return result.advantages
@@ -122,82 +144,120 @@ class PolicyTrainer:
         rollouts = [r for g in groups for r in g.rollouts]
         advantages = self.advantages(groups)
         sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
-        prompt_lengths = [len(r.prompt_ids) for r in rollouts]
         completion_tokens = sum(r.num_sampled for r in rollouts)  # loss tokens only
         counts = dict(
             num_global_tokens=float(max(completion_tokens, 1)),
             num_batch_tokens=float(max(completion_tokens, 1)),
             num_global_sequences=float(len(rollouts)),
-            max_completion_length=self.cfg.max_completion_length
+            max_completion_length=self.max_completion_length
             or max(len(r.completion_ids) for r in rollouts),
         )
-        totals: dict[str, float] = {}
-        weight_sum = 0.0
-        loss_sum = 0.0
-        autocast = (
-            torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.bf16_autocast else nullcontext()
-        )
+        totals = StepTotals()
         lengths = [len(s) for s in sequences]
         # a group's samples stay in one micro-batch, so their shared prompt is computed once
         group_of = [g.group_id for g in groups for _ in g.rollouts]
-        for micro in plan_micro_batches(lengths, self.cfg.micro_batch_tokens, groups=group_of):
+        budget = self.trainer_cfg.micro_batch_tokens
+        for micro in plan_micro_batches(lengths, budget, groups=group_of):
             micro = [i for i in micro if len(rollouts[i].completion_ids) > 0]
-            if not micro:
-                continue
-            with autocast:
-                out = packed_token_logprobs(
-                    self.model,
-                    [sequences[i] for i in micro],
-                    prompt_lengths=[prompt_lengths[i] for i in micro],
-                    temperature=self.cfg.temperature,
-                    with_entropy=True,
+            if micro:
+                totals.add(
+                    *self._backward(
+                        [sequences[i] for i in micro],
+                        [rollouts[i] for i in micro],
+                        advantages[micro],
+                        counts,
+                    )
                 )
-            logprobs, mask = pad_ragged([lp.float() for lp in out.logprobs])  # (B, T)
-            mask = mask * sampled_mask([rollouts[i] for i in micro], mask.shape[1])  # (B, T)
-            engine, _ = pad_ragged([rollouts[i].logprobs for i in micro])  # (B, T)
-            entropy, _ = pad_ragged([e.detach().float() for e in out.entropy])
-            inputs = LossInputs(
-                logprobs=logprobs,
-                engine_logprobs=engine,
-                advantages=torch.tensor(advantages[micro], dtype=torch.float32),  # (B,)
-                mask=mask,
-                old_logprobs=logprobs.detach() if self.cfg.old_logprobs == "current" else None,
-                entropy=entropy,
-                **counts,
-            )
-            loss, metrics = compute_loss(inputs, self.loss_cfg)
-            loss.backward()
-            loss_sum += loss.item()
-            tokens = float(mask.sum())
-            weight_sum += tokens
-            for key, value in metrics.items():
-                if value is not None and not math.isnan(value):
-                    totals[key] = totals.get(key, 0.0) + value * tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
+        grad_norm = self._optimizer_step()
         elapsed = time.perf_counter() - start
-        metrics = {k: v / weight_sum for k, v in totals.items()} if weight_sum else {}
-        rewards = np.array([r.reward for r in rollouts], dtype=np.float64)
+        metrics = totals.means()
         metrics.update(
-            loss=loss_sum,
-            grad_norm=float(grad_norm),
+            loss=totals.loss,
+            grad_norm=grad_norm,
             learning_rate=self.scheduler.get_last_lr()[0],
-            reward_mean=float(np.nanmean(rewards)) if np.isfinite(rewards).any() else float("nan"),
-            reward_std=float(np.nanstd(rewards)) if np.isfinite(rewards).any() else float("nan"),
-            advantage_abs_mean=float(np.abs(advantages).mean()),
+            **batch_metrics(rollouts, advantages),
             completion_len_mean=completion_tokens / len(rollouts),
             train_tokens_per_s=sum(lengths) / elapsed,
             train_step_s=elapsed,
         )
         return metrics
 
+    def _backward(
+        self,
+        sequences: list[list[int]],
+        rollouts: list[Rollout],
+        advantages: np.ndarray,
+        counts: dict[str, float],
+    ) -> tuple[float, float, dict[str, float]]:
+        """Loss and backward of one packed micro-batch: (loss, loss tokens, loss metrics).
+
+        `counts` are the whole step's, so the micro-batches' gradients sum to the batch's.
+        """
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16_autocast else nullcontext()
+        )
+        with autocast:
+            out = packed_token_logprobs(
+                self.model,
+                sequences,
+                prompt_lengths=[len(r.prompt_ids) for r in rollouts],
+                temperature=self.temperature,
+                with_entropy=True,
+            )
+        logprobs, mask = pad_ragged([lp.float() for lp in out.logprobs])  # (B, T)
+        mask = mask * sampled_mask(rollouts, mask.shape[1])  # (B, T)
+        engine, _ = pad_ragged([r.logprobs for r in rollouts])  # (B, T)
+        entropy, _ = pad_ragged([e.detach().float() for e in out.entropy])
+        current = self.trainer_cfg.old_logprobs == "current"
+        inputs = LossInputs(
+            logprobs=logprobs,
+            engine_logprobs=engine,
+            advantages=torch.tensor(advantages, dtype=torch.float32),  # (B,)
+            mask=mask,
+            old_logprobs=logprobs.detach() if current else None,
+            entropy=entropy,
+            **counts,
+        )
+        loss, metrics = compute_loss(inputs, self.loss_cfg)
+        loss.backward()
+        return loss.item(), float(mask.sum()), metrics
+
+    def _optimizer_step(self) -> float:
+        """Clip, step the optimizer and the schedule, clear the gradients; the grad norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.trainer_cfg.max_grad_norm
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return float(grad_norm)
+
     def named_weights(self, dtype: torch.dtype | None = None):
         """(name, tensor) pairs to publish to the engine (state_dict names)."""
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach().to(dtype) if dtype is not None else tensor.detach()
+
+    def save_checkpoint(self, directory: Path, state: TrainingState) -> Path:
+        """Model, optimizer, scheduler and `state` under `directory` (see checkpoint.py)."""
+        return save_checkpoint(directory, self.model, self.optimizer, self.scheduler, state)
+
+    def load_checkpoint(self, path: Path) -> TrainingState:
+        """Restore a checkpoint in place, the policy version with it."""
+        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.version = state.version
+        return state
+
+
+def batch_metrics(rollouts: list[Rollout], advantages: np.ndarray) -> dict[str, float]:
+    """Reward mean and std (NaN-aware, NaN when nothing was scored), mean |advantage|."""
+    rewards = np.array([r.reward for r in rollouts], dtype=np.float64)
+    scored = np.isfinite(rewards).any()
+    return dict(
+        reward_mean=float(np.nanmean(rewards)) if scored else float("nan"),
+        reward_std=float(np.nanstd(rewards)) if scored else float("nan"),
+        advantage_abs_mean=float(np.abs(advantages).mean()),
+    )
 
 
 def sampled_mask(rollouts: list[Rollout], width: int) -> torch.Tensor:

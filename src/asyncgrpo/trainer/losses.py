@@ -1,5 +1,8 @@
 """The GRPO loss family as one pure function: `compute_loss(LossInputs, LossConfig)`.
 
+`LossConfig` is the recipe's `loss` section (`asyncgrpo.config`, re-exported here):
+the trainer receives it as validated, and its field names are the ones used below.
+
 Per token t of sequence i (mask True), with advantage A_i:
 
     loss_it = w_it · keep_i · surrogate_it  +  β · k3_it · [w_it · r_it if kl_is_correction]
@@ -14,7 +17,7 @@ and the loss is an aggregation of loss_it. The pieces:
   ratio is s_i = exp(mean_t log r_it), broadcast to tokens in the
   straight-through form sg[s_i]·π_θ(y_t)/sg[π_θ(y_t)]: its value is s_i and its
   gradient flows to each token separately (GSPO-token).
-- surrogates (registry `LOSSES`, chosen by `LossConfig.loss`):
+- surrogates (registry `LOSSES`, chosen by `LossConfig.name`):
   `clipped`: −min(r̃·A, clip(r, 1−ε_low, 1+ε_high)·A) with r̃ = min(r, δ) for
   A < 0 when `delta` is set (two-sided clipping), else r̃ = r.
   `cispo`: −sg[clip(r, 1−ε_low, 1+ε_high)]·A·log π_θ (MiniMax-M1; every token
@@ -56,8 +59,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncgrpo.config import LossConfig
 from asyncgrpo.trainer.corrections import (
-    CORRECTIONS,
     behaviour_weights,
     k3,
     masked_difference,
@@ -65,52 +68,6 @@ from asyncgrpo.trainer.corrections import (
 )
 
 AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
-RATIO_LEVELS = ("token", "sequence")
-
-
-@dataclass
-class LossConfig:
-    loss: str = "clipped"
-    """Name in `LOSSES`."""
-    epsilon_low: float = 0.2
-    """Ratio clipped below at 1 − epsilon_low."""
-    epsilon_high: float = 0.28
-    """Ratio clipped above at 1 + epsilon_high."""
-    ratio_level: str = "token"
-    """`token`, or `sequence` (GSPO: exp of the mean token log-ratio)."""
-    delta: float | None = None
-    """Cap on the unclipped ratio of negative-advantage tokens (two-sided clipping)."""
-    aggregation: str = "dapo"
-    """`grpo` | `bnpo` | `dr_grpo` | `dapo` (see the module docstring)."""
-    correction: str = "token_truncate"
-    """Behaviour correction mode, one of `corrections.CORRECTIONS`."""
-    correction_cap: float = 2.0
-    """Cap C of the behaviour weights (mask modes keep [1/C, C], so C ≥ 1 there)."""
-    opsm_delta: float | None = None
-    """OPSM threshold on the mean log(π_engine/π_θ) of negative-advantage sequences."""
-    beta: float = 0.0
-    """Coefficient of the k3 KL to the reference model (needs `ref_logprobs`)."""
-    kl_is_correction: bool = False
-    """Weight the k3 KL by the detached IS ratio π_θ/π_engine (unbiased under the sampler)."""
-
-    def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss!r}; registered: {sorted(LOSSES)}")
-        for field, value, allowed in (
-            ("aggregation", self.aggregation, AGGREGATIONS),
-            ("correction", self.correction, CORRECTIONS),
-            ("ratio_level", self.ratio_level, RATIO_LEVELS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"LossConfig.{field}={value!r}; expected one of {allowed}")
-        if self.correction_cap <= 0 or (
-            self.correction.endswith("mask") and self.correction_cap < 1
-        ):
-            raise ValueError(
-                f"LossConfig.correction_cap={self.correction_cap} must be > 0 (≥ 1 for mask modes)"
-            )
-        if self.beta < 0:
-            raise ValueError(f"LossConfig.beta={self.beta} must be ≥ 0")
 
 
 @dataclass
@@ -229,7 +186,7 @@ def _count(value: float | None, default: float) -> float:
 
 def compute_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """(scalar loss with grad, float metrics). Pure: no state, no in-place edits of inputs."""
-    spec = get_loss(cfg.loss)
+    spec = get_loss(cfg.name)
     lp = inputs.logprobs  # (B, T)
     dtype = lp.dtype
     mask = inputs.mask.bool()  # (B, T)

@@ -1,0 +1,94 @@
+"""`engine.type: embedded`: the built-in engine as a supervised child process.
+
+The process (`engine/process.py`) gets the engine section of the recipe as its
+whole configuration. This backend adds what training needs around it: a client
+whose retries outlast a restart, the weight transport of `engine.weight_transport`,
+and supervision: an engine that dies is restarted on the same port, and a weight
+sync that it interrupts is repeated on the new process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from asyncgrpo.backend.base import EngineDied, NamedTensors, publish
+from asyncgrpo.client import EngineClient
+from asyncgrpo.client.retry import RetryPolicy
+from asyncgrpo.config import EngineConfig
+from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.transport import make_transport
+
+logger = logging.getLogger(__name__)
+
+SYNC_ATTEMPTS = 3  # a sync interrupted by a death this many times ends the run
+
+
+class EmbeddedBackend:
+    """An `asyncgrpo serve` child process on a loopback port, restarted when it dies."""
+
+    def __init__(self, cfg: EngineConfig, log_path: Path | None = None):
+        self.cfg = cfg
+        self.process = EngineProcess(cfg, log_path=log_path)
+        retry = RetryPolicy(deadline=cfg.startup_timeout_s, max_attempts=1000, max_backoff=2.0)
+        # the port is known once launched; the client follows it
+        self.client = EngineClient(
+            "http://127.0.0.1:0", admin_token=self.process.admin_token, retry=retry
+        )
+        self.transport = make_transport(cfg.weight_transport, self.client)
+        self._restart_lock = asyncio.Lock()
+
+    @property
+    def restarts(self) -> int:
+        return self.process.restarts
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [self.process.base_url]
+
+    def launch(self) -> None:
+        self.process.start()  # a no-op when already running
+        self.client.base_url = self.process.base_url
+
+    async def wait_ready(self, layout: NamedTensors | None = None) -> None:
+        self.launch()
+        if layout is not None:  # lay the first sync's buffers out while the engine loads
+            await self.transport.prepare(list(layout))
+        await asyncio.to_thread(self.process.wait_ready, self.cfg.startup_timeout_s)
+
+    async def healthy(self) -> bool:
+        return self.process.alive() and await self.client.health()
+
+    async def revive(self) -> bool:
+        async with self._restart_lock:
+            if self.process.alive():
+                return False
+            logger.warning("engine process died; restarting it (restart %d)", self.restarts + 1)
+            try:
+                await asyncio.to_thread(self.process.restart, self.cfg.startup_timeout_s)
+            except Exception as exc:
+                raise EngineDied(f"the engine could not be restarted: {exc}") from exc
+            return True
+
+    async def sync_weights(self, weights: NamedTensors, version: int, mode: str) -> None:
+        for attempt in range(SYNC_ATTEMPTS):
+            await self.revive()
+            task = asyncio.ensure_future(
+                publish(self.client, self.transport, weights, version, mode)
+            )
+            while not task.done():
+                await asyncio.wait([task], timeout=0.5)
+                if not task.done() and not self.process.alive():
+                    task.cancel()
+            if not task.cancelled():
+                return task.result()  # raises what the publish raised
+            logger.warning("engine died during weight sync (attempt %d)", attempt + 1)
+        raise EngineDied("the engine keeps dying during weight sync")
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.transport.close(), 5)
+            await asyncio.wait_for(self.client.aclose(), 5)
+        finally:
+            await asyncio.to_thread(self.process.stop)

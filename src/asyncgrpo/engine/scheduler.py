@@ -1,0 +1,373 @@
+"""What the embedded engine computes each step: continuous batching on the engine thread.
+
+`Engine` (engine.py) is the front end other threads talk to; this module holds the
+scheduling state it drives. It runs on the engine thread, between the commands the
+front end drains, so no lock guards it; the front end only registers new requests in
+`live`, reads it, and sets `weight_version` (single dict and attribute operations).
+
+A step admits waiting requests and prefills their prompts in one batched forward
+(prefix blocks already in the prefix cache are copied, not computed; prompts longer
+than a chunk take several steps in a staging slot), then decodes one token for every
+running sample. Samples leave the batch the moment they finish, and the last one
+moves into the freed slot, so decode slots stay 0..B-1. The `n` samples of a request
+share its prefill and copy its keys and values. Every token is stamped with the weight
+version that sampled it, and deltas go back to each consumer's own asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncgrpo.config import EngineConfig
+from asyncgrpo.engine.prefix_cache import BLOCK as PREFIX_BLOCK
+from asyncgrpo.engine.prefix_cache import PrefixCache
+from asyncgrpo.engine.runner import ModelRunner
+from asyncgrpo.engine.sampling import RowParams, sample
+from asyncgrpo.engine.types import SamplingParams, TokenDelta
+
+STAGING_SLOTS = 2  # extra cache slots for prompts whose prefill spans several steps
+
+
+@dataclass(eq=False)
+class Sample:
+    """One of a request's `n` completions; `slot` is its decode slot while it runs."""
+
+    request: Request
+    index: int
+    generator: torch.Generator | None
+    slot: int = -1
+    cache_len: int = 0  # positions already in the KV cache
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt, its samples, and the asyncio queue its deltas are delivered to."""
+
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    samples: list[Sample] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
+    staging_slot: int = -1
+    max_tokens: int = 0
+    weights_epoch: int = -1  # the weights its keys and values were computed with
+
+    @classmethod
+    def create(
+        cls, rid: str, prompt: list[int], params: SamplingParams, max_model_len: int
+    ) -> Request:
+        """A request of the running asyncio loop, with its `n` samples (seeded if asked)."""
+        request = cls(rid, list(prompt), params, asyncio.get_running_loop(), asyncio.Queue())
+        request.max_tokens = min(params.max_tokens, max_model_len - len(prompt))
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed + i)
+            request.samples.append(Sample(request, i, gen))
+        return request
+
+
+Row = tuple[Request, int, int, int]  # one prefill row: (request, slot, start, end)
+Outbox = dict[Request, list[TokenDelta]]
+
+
+class Scheduler:
+    """Waiting, prefilling and running requests, and the step that advances them."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        prefix_cache: PrefixCache,
+        tokenizer,
+        eos_token_ids: set[int],
+    ):
+        self.config = config
+        self.runner = runner
+        self.prefix_cache = prefix_cache
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.staging: list[Request] = []  # admitted, prefill spanning several steps
+        self.running: list[Sample] = []  # index == decode slot
+        self.live: dict[str, Request] = {}  # every request not yet finished, by id
+        self.weight_version = 0  # stamped on every sampled token
+        self.weights_epoch = 0  # bumped by every weight update
+        self.generated_tokens = 0
+        self.prompt_tokens = 0  # prompt tokens admitted
+        self.cached_prompt_tokens = 0  # of which read from the prefix cache
+
+    @property
+    def busy(self) -> bool:
+        """True while some admitted request is still prefilling or decoding."""
+        return bool(self.running or self.staging)
+
+    def has_work(self, admit: bool) -> bool:
+        return bool(self.running or self.staging or (admit and self.waiting))
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def weights_changed(self, version: int | None) -> None:
+        """Forget keys and values of the old weights; restamp if given a version."""
+        self.prefix_cache.clear()  # cached keys and values belong to the old weights
+        self.weights_epoch += 1
+        if version is not None:
+            self.weight_version = int(version)
+
+    def step(self, admit: bool) -> None:
+        """One prefill forward (admitting waiting requests if `admit`), then one decode."""
+        outbox: Outbox = {}
+        self._prefill(outbox, admit)
+        if self.running:
+            self._decode(outbox)
+        _emit(outbox)
+
+    # ---- prefill -------------------------------------------------------------
+
+    def _prefill(self, outbox: Outbox, admit: bool) -> None:
+        """Admit waiting requests and run one batched prefill forward."""
+        chunk_size = self.config.prefill_chunk_size
+        rows: list[Row] = []
+        for request in self.staging:
+            end = min(len(request.prompt), request.prefilled + chunk_size)
+            rows.append((request, request.staging_slot, request.prefilled, end))
+        if admit:
+            self._admit(rows)
+        if rows:
+            self._run_prefill(rows, outbox)
+
+    def _admit(self, rows: list[Row]) -> None:
+        """Move waiting requests into this step's prefill while slots and budget allow."""
+        chunk_size = self.config.prefill_chunk_size
+        budget = self.config.prefill_token_budget
+        next_slot = len(self.running)
+        reserved = sum(r.params.n for r in self.staging)  # decode slots staged prompts will take
+        free = self.config.max_num_seqs - len(self.running) - reserved
+        pending: set = set()  # prefix blocks this step's rows will compute
+        while self.waiting:
+            request = self.waiting[0]
+            n, length = request.params.n, len(request.prompt)
+            if n > free:
+                break
+            # the last prompt token is always computed: its logits start the completion
+            hits, missing = self.prefix_cache.lookup(request.prompt, length - 1)
+            if missing is not None and missing in pending:
+                break  # a row of this step computes the same blocks: reuse them next step
+            cached = len(hits) * PREFIX_BLOCK
+            remaining = length - cached
+            widest = max([remaining] + [e - s for _, _, s, e in rows])
+            if rows and widest * (len(rows) + 1) > budget:
+                break
+            if remaining <= chunk_size:
+                slot = next_slot
+                rows.append((request, slot, cached, length))
+                next_slot += n
+            else:
+                slot = self._stage(request, cached)
+                if slot is None:
+                    break
+                rows.append((request, slot, cached, cached + chunk_size))
+            self.prefix_cache.load(hits, slot)
+            request.weights_epoch = self.weights_epoch
+            self.prompt_tokens += length
+            self.cached_prompt_tokens += cached
+            if missing is not None:
+                pending.add(missing)
+            free -= n
+            self.waiting.popleft()
+
+    def _stage(self, request: Request, cached: int) -> int | None:
+        """Give a long prompt a free staging slot (None when all are taken)."""
+        used = {r.staging_slot for r in self.staging}
+        base = self.config.max_num_seqs
+        spare = [s for s in range(base, base + STAGING_SLOTS) if s not in used]
+        if not spare:
+            return None
+        request.staging_slot = spare[0]
+        request.prefilled = cached
+        self.staging.append(request)
+        return request.staging_slot
+
+    def _run_prefill(self, rows: list[Row], outbox: Outbox) -> None:
+        """One forward over every row; prompts that are complete start their samples."""
+        logits = self.runner.prefill(  # (R, V): each row's last position
+            [slot for _, slot, _, _ in rows],
+            [r.prompt[s:e] for r, _, s, e in rows],
+            [s for _, _, s, _ in rows],
+        )
+        direct = [(i, row) for i, row in enumerate(rows) if row[0].staging_slot < 0]
+        staged = [(i, row) for i, row in enumerate(rows) if row[0].staging_slot >= 0]
+        for i, (request, slot, _, end) in direct:
+            self.prefix_cache.store(request.prompt, slot, end)
+            self._start_samples(request, slot, logits[i], outbox)
+        for i, (request, slot, _, end) in staged:
+            request.prefilled = end
+            if end == len(request.prompt):
+                if request.weights_epoch == self.weights_epoch:
+                    self.prefix_cache.store(request.prompt, slot, end)
+                self.staging.remove(request)
+                request.staging_slot = -1
+                self._start_samples(request, slot, logits[i], outbox)
+
+    def _start_samples(self, request: Request, source_slot: int, logits, outbox: Outbox) -> None:
+        """Place a prefilled request's samples in decode slots and sample their first tokens."""
+        length = len(request.prompt)
+        for sample_ in request.samples:
+            sample_.slot = len(self.running)
+            sample_.cache_len = length
+            self.runner.copy_slot(source_slot, sample_.slot, length)
+            self.running.append(sample_)
+        rows = request.samples
+        expanded = logits.unsqueeze(0).expand(len(rows), -1)  # (n, V)
+        self._record(rows, sample(expanded, [_row_params(s) for s in rows]), outbox)
+
+    # ---- decode and sampling -------------------------------------------------
+
+    def _decode(self, outbox: Outbox) -> None:
+        running = self.running
+        tokens = torch.tensor([s.tokens[-1] for s in running])  # (B,)
+        positions = torch.tensor([s.cache_len for s in running])  # (B,)
+        logits = self.runner.decode(tokens, positions)  # (B, V)
+        for s in running:
+            s.cache_len += 1
+        self._record(list(running), sample(logits, [_row_params(s) for s in running]), outbox)
+
+    def _record(self, samples: list[Sample], out, outbox: Outbox) -> None:
+        finished = []
+        version = self.weight_version
+        for j, s in enumerate(samples):
+            token = out.tokens[j]
+            s.tokens.append(token)
+            self.generated_tokens += 1
+            reason, stop_reason = _finish_reason(s, token, self.eos_token_ids, self.tokenizer)
+            top = [out.top_logprobs[j]] if out.top_logprobs[j] is not None else None
+            delta = TokenDelta(
+                s.index, [token], [out.logprobs[j]], [version], top, reason, stop_reason
+            )
+            outbox.setdefault(s.request, []).append(delta)
+            if reason is not None:
+                finished.append(s)
+                if reason == "stop" and len(s.request.samples) == 1:
+                    self._cache_conversation(s)
+        self._remove_samples(finished)
+
+    def _cache_conversation(self, s: Sample) -> None:
+        """Keep a finished turn's keys and values: an agent's next prompt starts with them.
+
+        Only single-sample requests that stopped by themselves (a turn, not a truncated
+        or grouped completion), and only if no weight update happened since their prefill.
+        """
+        if s.request.weights_epoch == self.weights_epoch and s.slot >= 0:
+            self.prefix_cache.store(s.request.prompt + s.tokens, s.slot, s.cache_len)
+
+    # ---- leaving the batch ---------------------------------------------------
+
+    def _remove_samples(self, samples: list[Sample]) -> None:
+        """Drop samples from the running batch, keeping decode slots compact (0..B-1)."""
+        for s in sorted(samples, key=lambda x: x.slot, reverse=True):
+            s.done = True
+            if s.slot < 0 or s.slot >= len(self.running) or self.running[s.slot] is not s:
+                continue
+            last = self.running.pop()
+            if last is not s:
+                self.runner.copy_slot(last.slot, s.slot, last.cache_len)
+                last.slot = s.slot
+                self.running[s.slot] = last
+            s.slot = -1
+        for request in {s.request for s in samples}:
+            if all(x.done for x in request.samples):
+                self.live.pop(request.id, None)
+
+    def finish_request(self, request: Request, reason: str) -> None:
+        """End every unfinished sample of a request now (abort), sending a final delta."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.staging:
+            self.staging.remove(request)
+        open_samples = [s for s in request.samples if not s.done]
+        self._remove_samples(open_samples)
+        for s in open_samples:
+            s.done = True
+        self.live.pop(request.id, None)
+        deltas = [TokenDelta(s.index, [], [], [], None, reason) for s in open_samples]
+        if deltas:
+            _emit({request: deltas})
+
+    def _all_requests(self) -> list[Request]:
+        requests = list(self.waiting) + list(self.staging) + [s.request for s in self.running]
+        return list(dict.fromkeys(requests))
+
+    def abort_all(self) -> None:
+        """Finish every request with its partial output and finish_reason "abort"."""
+        for request in self._all_requests():
+            self.finish_request(request, "abort")
+
+    def fail_all(self, exc: Exception) -> None:
+        """Raise `exc` in every request's consumer and drop all scheduling state."""
+        for request in self._all_requests():
+            for s in request.samples:
+                s.done = True
+            self.live.pop(request.id, None)
+            try:
+                request.loop.call_soon_threadsafe(request.queue.put_nowait, exc)
+            except RuntimeError:
+                pass
+        self.waiting.clear()
+        self.staging.clear()
+        self.running.clear()
+
+
+def _row_params(s: Sample) -> RowParams:
+    p = s.request.params
+    return RowParams(p.temperature, p.top_p, p.top_k, s.generator, p.top_logprobs)
+
+
+def _finish_reason(s: Sample, token: int, eos_token_ids: set[int], tokenizer):
+    """(finish_reason, stop_reason) after `token`; (None, None) while the sample goes on."""
+    p = s.request.params
+    if token in p.stop_token_ids:
+        return "stop", token
+    if not p.ignore_eos and token in eos_token_ids:
+        return "stop", None
+    if p.stop:
+        hit = _stop_string(tokenizer, s.tokens, p.stop)
+        if hit is not None:
+            return "stop", hit
+    if len(s.tokens) >= s.request.max_tokens:
+        return "length", None
+    return None, None
+
+
+def _stop_string(tokenizer, tokens: list[int], stops: list[str]) -> str | None:
+    window = max(len(x) for x in stops) + 2
+    text = tokenizer.decode(tokens[-window:], skip_special_tokens=False)
+    for stop in stops:
+        if stop and stop in text:
+            return stop
+    return None
+
+
+def _emit(outbox: Outbox) -> None:
+    """Hand deltas to their consumers: one thread-safe callback per asyncio loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for request, deltas in outbox.items():
+        by_loop.setdefault(request.loop, []).append((request.queue, deltas))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the consumer's loop is closed
+            pass
+
+
+def _deliver(items) -> None:
+    for q, deltas in items:
+        q.put_nowait(deltas)

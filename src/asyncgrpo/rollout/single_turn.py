@@ -1,0 +1,141 @@
+"""Single-turn groups: `num_generations` completions of one prompt, scored by reward functions.
+
+One request per group asks the engine for `n` samples of the prompt's token
+ids, so they share one prefill. When a weight sync aborts requests in flight
+(`sync_mode: abort`), a partial completion is resumed from its own tokens
+(prompt + partial ids as the new prompt), keeping the version of every token,
+as AReaL's interruptible generation does. Evaluation samples greedily through
+the same `_sample` path, one completion per held-out row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncgrpo.client.retry import EngineHTTPError
+from asyncgrpo.config import AdvantageConfig
+from asyncgrpo.rollout.builder import GroupDropped, is_zero_variance
+from asyncgrpo.rollout.rewards import RewardFailure
+from asyncgrpo.rollout.types import Group, Rollout
+
+
+@dataclass
+class SamplingSettings:
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    seed: int | None = None  # per-group seeds derive from it: a fixed seed repeats a run
+
+
+class SingleTurnBuilder:
+    """Render, generate, decode, score: one prompt row into one scored group."""
+
+    def __init__(
+        self,
+        client: Any,
+        tokenizer: Any,
+        rewards: Any,
+        sampling: SamplingSettings,
+        advantage: AdvantageConfig,
+    ):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.rewards = rewards  # a RewardRunner
+        self.sampling = sampling
+        self.advantage = advantage
+        self.generated_tokens = 0
+
+    def render(self, prompt: Any) -> list[int]:
+        from asyncgrpo.rollout.data import render_prompt
+
+        return render_prompt(self.tokenizer, prompt)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def build(self, group_id: int, position: int, row: dict) -> Group:
+        s = self.sampling
+        seed = None if s.seed is None else (s.seed * 7919 + group_id) % (2**31)
+        rollouts = await self._sample(self.render(row["prompt"]), s, seed)
+        self.generated_tokens += sum(len(r.completion_ids) for r in rollouts)
+        group = Group(group_id, position, row, rollouts)
+        await self.score(row, rollouts)
+        group.zero_variance = is_zero_variance(rollouts, self.advantage)
+        return group
+
+    async def score(self, row: dict, rollouts: list[Rollout]) -> None:
+        try:
+            per_function = await self.rewards.score_group(
+                row, [r.text for r in rollouts], [r.completion_ids for r in rollouts]
+            )
+        except Exception as exc:
+            raise RewardFailure(str(exc)) from exc
+        for i, r in enumerate(rollouts):
+            r.rewards = [scores[i] for scores in per_function]
+
+    async def _sample(
+        self, prompt_ids: list[int], s: SamplingSettings, seed: int | None
+    ) -> list[Rollout]:
+        sampling = {"temperature": s.temperature, "top_p": s.top_p}
+        try:
+            completion = await self.client.complete(
+                prompt_ids,
+                n=s.n,
+                max_tokens=s.max_tokens,
+                **({"seed": seed} if seed is not None else {}),
+                **sampling,
+            )
+        except EngineHTTPError as exc:
+            if exc.status == 400 and "max_model_len" in str(exc):
+                raise GroupDropped("prompt_too_long", str(exc), log=False) from exc
+            raise
+        rollouts = []
+        for sample in completion.samples:
+            ids, logprobs = list(sample.token_ids), list(sample.logprobs)
+            versions, finish = list(sample.weight_versions), sample.finish_reason
+            while finish == "abort" and len(ids) < s.max_tokens:
+                # interrupted by a weight sync: continue from our own tokens
+                more = await self.client.complete(
+                    prompt_ids + ids, n=1, max_tokens=s.max_tokens - len(ids), **sampling
+                )
+                part = more.samples[0]
+                ids += part.token_ids
+                logprobs += part.logprobs
+                versions += part.weight_versions
+                finish = part.finish_reason
+            rollouts.append(
+                Rollout(prompt_ids, ids, logprobs, versions, finish or "length", self.decode(ids))
+            )
+        return rollouts
+
+    async def evaluate(self, rows: list[dict]) -> dict[str, Any]:
+        """Greedy completions of every held-out row, scored by the reward functions."""
+        greedy = SamplingSettings(1, self.sampling.max_tokens, 0.0)
+        versions: set[int] = set()
+
+        async def one(row: dict) -> list[float | None]:
+            (rollout,) = await self._sample(self.render(row["prompt"]), greedy, None)
+            versions.update(rollout.versions)
+            await self.score(row, [rollout])
+            return rollout.rewards
+
+        scores = await asyncio.gather(*[one(r) for r in rows])
+        weights = self.advantage.reward_weights or [1.0] * len(scores[0])
+        totals = [
+            sum(w * s for w, s in zip(weights, row, strict=True) if s is not None) for row in scores
+        ]
+        return {
+            "eval_reward_mean": float(np.mean(totals)),
+            "eval_count": len(totals),
+            # the weights that actually answered (a sync may land during an evaluation)
+            "eval_weight_version_min": min(versions, default=None),
+            "eval_weight_version_max": max(versions, default=None),
+        }
+
+    def take_stats(self) -> dict[str, Any]:
+        return {}

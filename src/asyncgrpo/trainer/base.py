@@ -1,0 +1,39 @@
+"""The `Trainer` protocol: what the training loop needs from whatever trains the policy.
+
+`PolicyTrainer` (`loop.py`) is the one-process implementation; a multi-process
+trainer (ranks under torchrun, FSDP) or a LoRA trainer implements the same
+four verbs, so the loop in `run.py` does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from asyncgrpo.rollout.types import Group
+from asyncgrpo.trainer.checkpoint import TrainingState
+
+
+class Trainer(Protocol):
+    version: int
+    """The policy version: optimizer steps taken (a checkpoint restores it)."""
+
+    def step(self, groups: list[Group]) -> dict[str, float]:
+        """One optimizer step on a batch of scored groups; its metrics. Bumps `version`."""
+        ...
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights, state_dict names, cast to `dtype` (the engine's), to publish.
+        Without `dtype` the tensors may share the model's storage (tied ones alike)."""
+        ...
+
+    def save_checkpoint(self, directory: Path, state: TrainingState) -> Path:
+        """Write a complete, resumable checkpoint under `directory`; its path."""
+        ...
+
+    def load_checkpoint(self, path: Path) -> TrainingState:
+        """Restore a checkpoint written by `save_checkpoint` (version included)."""
+        ...
