@@ -210,6 +210,18 @@ class CoordinatorConfig(Section):
     """How a weight sync treats requests in flight: keep them (their later tokens carry the
     new version), abort and resume them from their tokens, or wait for them to finish."""
 
+    @model_validator(mode="after")
+    def _syncs_often_enough(self) -> CoordinatorConfig:
+        # between syncs the engine lags up to weight_sync_steps - 1 versions: beyond
+        # max_staleness + 1 nothing it samples could be trained and admission stops
+        if self.weight_sync_steps > self.max_staleness + 1:
+            raise ValueError(
+                f"weight_sync_steps={self.weight_sync_steps} needs max_staleness >= "
+                f"{self.weight_sync_steps - 1}: samples from an engine that many versions "
+                "behind are too stale to train on, and the run would wait forever"
+            )
+        return self
+
 
 class LossConfig(Section):
     name: str = "clipped"
@@ -383,7 +395,8 @@ def _explain(error: ValidationError, model: type[BaseModel]) -> str:
         elif err["type"] == "value_error" and not path:  # a check across sections
             lines.append(err["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"'{dotted}': {err['msg']} (got {err.get('input')!r})")
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"'{dotted}': {msg} (got {err.get('input')!r})")
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 

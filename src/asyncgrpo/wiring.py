@@ -105,27 +105,9 @@ def build_run(
 def _assemble(
     cfg, run_dir, engine, tracker, train_rows, eval_rows, *, model, tokenizer, rewards, rollout_func
 ) -> RunContext:
-    from asyncgrpo.trainer.loop import PolicyTrainer
-
-    trainer = PolicyTrainer(
-        model,
-        cfg.trainer,
-        cfg.loss,
-        cfg.advantage,
-        max_steps=cfg.max_steps,
-        temperature=cfg.rollout.temperature or 1.0,
-        max_completion_length=cfg.rollout.max_tokens,
-    )
+    trainer = _trainer(cfg, model)
     prompts = PromptStream(train_rows, cfg.seed)
-    c = cfg.coordinator
-    buffer = RolloutBuffer(
-        c.batch_groups,
-        c.max_staleness,
-        on_drop_stale=lambda g: prompts.done(g.data_index),
-        max_ahead=None
-        if c.max_ahead_batches is None
-        else math.ceil(c.max_ahead_batches * c.batch_groups),
-    )
+    buffer = _buffer(cfg, prompts)
     builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func)
     orchestrator = Orchestrator(
         builder,
@@ -136,7 +118,7 @@ def _assemble(
         on_reward_error=cfg.rollout.reward_error_policy,
     )
     loop = LoopThread()
-    agent = isinstance(builder, _episode_builder_class())
+    agent = rollout_func is not None or cfg.agent.rollout is not None
     evaluator = Evaluator(
         builder,
         eval_rows,
@@ -170,10 +152,29 @@ def _assemble(
     )
 
 
-def _episode_builder_class():
-    from asyncgrpo.rollout.episodes import EpisodeGroupBuilder
+def _trainer(cfg: RunConfig, model: torch.nn.Module):
+    from asyncgrpo.trainer.loop import PolicyTrainer
 
-    return EpisodeGroupBuilder
+    return PolicyTrainer(
+        model,
+        cfg.trainer,
+        cfg.loss,
+        cfg.advantage,
+        max_steps=cfg.max_steps,
+        temperature=cfg.rollout.temperature or 1.0,
+        max_completion_length=cfg.rollout.max_tokens,
+    )
+
+
+def _buffer(cfg: RunConfig, prompts: PromptStream) -> RolloutBuffer:
+    c = cfg.coordinator
+    ahead = c.max_ahead_batches
+    return RolloutBuffer(
+        c.batch_groups,
+        c.max_staleness,
+        on_drop_stale=lambda g: prompts.done(g.data_index),  # a stale prompt is not retried
+        max_ahead=None if ahead is None else math.ceil(ahead * c.batch_groups),
+    )
 
 
 def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func):

@@ -65,3 +65,15 @@ def test_auto_engine_dtype_follows_the_hardware(monkeypatch):
     assert explicit.resolved_dtype() == "float32"
     with pytest.raises(ConfigError, match="'model.dtype' moved to 'engine.dtype'"):
         load_config(None, ["model.dtype=float32"])
+
+
+def test_a_sync_interval_the_staleness_bound_cannot_absorb_is_refused():
+    with pytest.raises(ConfigError, match="weight_sync_steps=3 needs max_staleness >= 2"):
+        load_config(None, ["coordinator.weight_sync_steps=3", "coordinator.max_staleness=1"])
+    cfg = load_config(None, ["coordinator.weight_sync_steps=3", "coordinator.max_staleness=2"])
+    assert cfg.coordinator.weight_sync_steps == 3
+
+
+def test_a_kl_penalty_is_refused_until_a_reference_model_exists():
+    with pytest.raises(ConfigError, match="loss.beta=0.1: a KL penalty needs a reference model"):
+        load_config(None, ["loss.beta=0.1"])

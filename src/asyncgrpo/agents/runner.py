@@ -33,6 +33,9 @@ and reward failures can never be given one.
 Built in: `tool_loop` (a plain OpenAI-client loop running Python tools through a
 `ToolBox`), and the `Environment` protocol (`reset` / `step`) with
 `run_environment` and `environment_rollout`.
+
+`LLM`, `Result`, `RewardError` and `reward_scope` live in `rollout_api` (the
+types a rollout is written against) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -47,60 +50,17 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from asyncgrpo.agents.rollout_api import LLM, Result, RewardError, Rollout
+from asyncgrpo.agents.rollout_api import reward_scope as reward_scope  # re-exported
 from asyncgrpo.agents.tools import ToolBox
 from asyncgrpo.agents.trajectory import EpisodeMetrics, EpisodeResult, Sample, StopReason
 from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LLM:
-    """The per-episode endpoint a rollout talks to (an OpenAI-compatible base URL and key)."""
-
-    base_url: str
-    api_key: str
-    model: str
-    call_timeout_s: float | None = None  # per call; the SDK retries it (the gateway dedupes)
-    max_retries: int = 2
-
-    def client(self, **kwargs: Any):
-        """An `openai.AsyncOpenAI` for this episode (close it, e.g. `async with llm.client()`)."""
-        import openai
-
-        if self.call_timeout_s is not None:
-            kwargs.setdefault("timeout", self.call_timeout_s)
-        kwargs.setdefault("max_retries", self.max_retries)
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
-
-
-@dataclass
-class Result:
-    """What a rollout may return instead of a bare reward."""
-
-    reward: float | None
-    stop_reason: StopReason | str = StopReason.OK
-    tool_failures: int = 0
-    info: dict[str, Any] = field(default_factory=dict)  # anything to log with the episode
-
-
-class RewardError(Exception):
-    """The reward could not be computed: the episode is masked (`reward_error`), not scored 0."""
-
-
-@contextlib.contextmanager
-def reward_scope():
-    """Any exception inside becomes a `RewardError` (so it is masked, not a `tool_error`)."""
-    try:
-        yield
-    except RewardError:
-        raise
-    except Exception as exc:
-        raise RewardError(f"reward computation failed: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass
@@ -112,8 +72,9 @@ class EpisodeOutcome(EpisodeResult):
     info: dict[str, Any] = field(default_factory=dict)  # Result.info, gateway counters, time
 
 
-Rollout = Callable[[dict, LLM], Awaitable["float | Result"]]
 NEVER_REWARDED = (StopReason.INFRA_ERROR, StopReason.REWARD_ERROR)
+# how a rollout ended: (reward, stop reason, tool failures, info, error)
+_Ended = tuple[float | None, StopReason, int, dict, str | None]
 
 
 def classify(exc: BaseException) -> StopReason:
@@ -141,7 +102,7 @@ def classify(exc: BaseException) -> StopReason:
     return StopReason.TOOL_ERROR  # the agent's own bug, or a request it got wrong
 
 
-def _unpack(value: Any) -> tuple[float | None, StopReason, int, dict, str | None]:
+def _unpack(value: Any) -> _Ended:
     """(reward, stop reason, tool failures, info, error) from a rollout's return value."""
     if not isinstance(value, Result):
         value = Result(value)
@@ -194,30 +155,47 @@ async def run_episode(
     llm = LLM(
         client.base_url + opened["base_path"], opened["api_key"], opened["model"], call_timeout_s
     )
-    reward, failures, info, error = None, 0, {}, None
-    deadline = asyncio.timeout(episode_timeout_s)
-    try:
-        async with deadline:
-            value = await rollout_fn(task, llm)
-    except TimeoutError as exc:
-        if deadline.expired():
-            reason, error = StopReason.TIMEOUT, f"the episode took over {episode_timeout_s} s"
-        else:
-            reason, error = classify(exc), _describe(exc)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):  # free the gateway's episode, then stop
-            await asyncio.shield(client.close_episode(episode_id, None, "infra_error"))
-        raise
-    except Exception as exc:
-        reason, error = classify(exc), _describe(exc)
-    else:
-        reward, reason, failures, info, error = _unpack(value)
+    ended = await _run_rollout(client, episode_id, rollout_fn, task, llm, episode_timeout_s)
+    reward, reason, failures, _, _ = ended
     try:
         closed = await client.close_episode(episode_id, reward, reason.value, failures)
     except Exception as exc:
         return EpisodeOutcome(
             None, StopReason.INFRA_ERROR, [], episode_id=episode_id, error=_describe(exc)
         )
+    return _outcome(episode_id, ended, closed, rewards_for, started)
+
+
+async def _run_rollout(
+    client, episode_id: str, rollout_fn: Rollout, task: dict, llm: LLM, timeout_s: float | None
+) -> _Ended:
+    """Run the rollout under the episode timeout and say how it ended (`_Ended`).
+
+    A failure becomes its stop reason; a cancellation frees the gateway's
+    episode and propagates.
+    """
+    deadline = asyncio.timeout(timeout_s)
+    try:
+        async with deadline:
+            value = await rollout_fn(task, llm)
+    except TimeoutError as exc:
+        if deadline.expired():
+            return None, StopReason.TIMEOUT, 0, {}, f"the episode took over {timeout_s} s"
+        return None, classify(exc), 0, {}, _describe(exc)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # free the gateway's episode, then stop
+            await asyncio.shield(client.close_episode(episode_id, None, "infra_error"))
+        raise
+    except Exception as exc:
+        return None, classify(exc), 0, {}, _describe(exc)
+    return _unpack(value)
+
+
+def _outcome(
+    episode_id: str, ended: _Ended, closed: dict, rewards_for: dict, started: float
+) -> EpisodeOutcome:
+    """The episode as the rollout ended it and as the gateway recorded it (`closed`)."""
+    reward, reason, _, info, error = ended
     # the gateway refused a call: whatever the agent made of that, the turns ran out
     if closed.get("refused_turns") and reason in (StopReason.OK, StopReason.TOOL_ERROR):
         reason = StopReason.MAX_TURNS

@@ -32,6 +32,7 @@ from enum import Enum
 from typing import Any
 
 from asyncgrpo.agents.toolcalls import inject_tools_fallback, template_renders_tools
+from asyncgrpo.rollout.types import min_version
 
 
 class StopReason(str, Enum):
@@ -86,8 +87,7 @@ class Sample:
 
     @property
     def min_version(self) -> int:
-        sampled = [v for v in self.versions if v >= 0]
-        return min(sampled) if sampled else 0
+        return min_version(self.versions)
 
 
 @dataclass

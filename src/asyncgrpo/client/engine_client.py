@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from asyncgrpo.client.episodes import EpisodeGatewayMixin
 from asyncgrpo.client.retry import EngineUnavailableError, RetryPolicy, send_with_retry
 
 UNKNOWN_VERSION = -1
@@ -51,8 +52,8 @@ class EngineProtocolError(RuntimeError):
     """The server answered 2xx with a body that breaks the protocol (e.g. lengths disagree)."""
 
 
-class EngineClient:
-    """Async client for one engine server (embedded or vLLM)."""
+class EngineClient(EpisodeGatewayMixin):
+    """Async client for one engine server (embedded or vLLM); episode routes come from the mixin."""
 
     def __init__(
         self,
@@ -158,17 +159,7 @@ class EngineClient:
             _optional(seed=seed, stop=stop, stop_token_ids=stop_token_ids, model=self.model)
         )
         data = await self._json("POST", "/v1/completions", json=body, timeout=timeout)
-        choices = sorted(data["choices"], key=lambda c: c["index"])
-        samples = [
-            _sample(c, (c.get("logprobs") or {}).get("token_logprobs"), c.get("text", ""))
-            for c in choices
-        ]
-        prompt = data.get("prompt_token_ids") or (
-            choices[0].get("prompt_token_ids") if choices else None
-        )
-        return Completion(
-            samples, list(prompt or prompt_ids), data.get("id", ""), data.get("usage", {})
-        )
+        return _completion(data, prompt_ids)
 
     async def chat(
         self,
@@ -200,18 +191,7 @@ class EngineClient:
             _optional(tools=tools, max_tokens=max_tokens, seed=seed, stop=stop, model=self.model)
         )
         data = await self._json("POST", "/v1/chat/completions", json=body, timeout=timeout)
-        choices = sorted(data["choices"], key=lambda c: c["index"])
-        samples = []
-        for c in choices:
-            content = (c.get("logprobs") or {}).get("content")
-            logprobs = None if content is None else [entry["logprob"] for entry in content]
-            samples.append(_sample(c, logprobs, (c.get("message") or {}).get("content") or ""))
-        return Completion(
-            samples,
-            list(data.get("prompt_token_ids") or []),
-            data.get("id", ""),
-            data.get("usage", {}),
-        )
+        return _chat_completion(data)
 
     # ---- health and information ----------------------------------------------------------
 
@@ -297,40 +277,40 @@ class EngineClient:
     async def weight_version(self) -> int:
         return int((await self._json("GET", "/weight_info", admin=True))["weight_version"])
 
-    # ---- agent episodes (the episode gateway's admin routes) ----------------------------
-
-    async def open_episode(self, max_turns: int | None = None) -> dict:
-        """A new episode: `episode_id`, `base_path` (`/e/{id}/v1`), `api_key`, `model`."""
-        return await self._json(
-            "POST", "/episodes", json=_optional(max_turns=max_turns), admin=True
-        )
-
-    async def close_episode(
-        self,
-        episode_id: str,
-        reward: float | None,
-        stop_reason: str = "ok",
-        tool_failures: int = 0,
-    ) -> dict:
-        """Close an episode; its `samples` (input_ids, loss_mask, logprobs, versions) and metrics.
-
-        Not idempotent: if the answer is lost, a retry is refused (409) and the
-        samples are gone (the caller should treat that as an infrastructure error).
-        """
-        body = {"reward": reward, "stop_reason": stop_reason, "tool_failures": tool_failures}
-        return await self._json("POST", f"/episodes/{episode_id}/close", json=body, admin=True)
-
-    async def episode_info(self, episode_id: str) -> dict:
-        """An open episode's state: turns, refused_turns, deduped_retries, tool calls, ..."""
-        return await self._json("GET", f"/episodes/{episode_id}", admin=True)
-
-    async def episode_stats(self) -> dict:
-        """Counts of the gateway: open, opened, closed, expired, refused."""
-        return await self._json("GET", "/episodes", admin=True)
-
 
 def _optional(**values: Any) -> dict:
     return {k: v for k, v in values.items() if v is not None}
+
+
+def _completion(data: dict, prompt_ids: list[int]) -> Completion:
+    """A `/v1/completions` answer; the prompt ids sent stand in if the server echoes none."""
+    choices = sorted(data["choices"], key=lambda c: c["index"])
+    samples = [
+        _sample(c, (c.get("logprobs") or {}).get("token_logprobs"), c.get("text", ""))
+        for c in choices
+    ]
+    prompt = data.get("prompt_token_ids") or (
+        choices[0].get("prompt_token_ids") if choices else None
+    )
+    return Completion(
+        samples, list(prompt or prompt_ids), data.get("id", ""), data.get("usage", {})
+    )
+
+
+def _chat_completion(data: dict) -> Completion:
+    """A `/v1/chat/completions` answer (log-probs per token under `logprobs.content`)."""
+    choices = sorted(data["choices"], key=lambda c: c["index"])
+    samples = []
+    for c in choices:
+        content = (c.get("logprobs") or {}).get("content")
+        logprobs = None if content is None else [entry["logprob"] for entry in content]
+        samples.append(_sample(c, logprobs, (c.get("message") or {}).get("content") or ""))
+    return Completion(
+        samples,
+        list(data.get("prompt_token_ids") or []),
+        data.get("id", ""),
+        data.get("usage", {}),
+    )
 
 
 def _sample(choice: dict, logprobs: list[float] | None, text: str) -> Sample:

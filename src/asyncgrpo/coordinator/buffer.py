@@ -153,15 +153,6 @@ class RolloutBuffer:
             self._closed = True
             self._cond.notify_all()
 
-    def requeue_front(self, groups: list) -> None:
-        """Put groups taken by `get_batch` back (a step that failed before using them)."""
-        with self._cond:
-            for g in reversed(groups):
-                self._queue.appendleft(g)
-            self.consumed -= len(groups)
-            del self.staleness_seen[-len(groups) :]
-            self._cond.notify_all()
-
     def snapshot(self) -> dict:
         with self._cond:
             return {

@@ -41,8 +41,70 @@ from asyncgrpo.engine.types import EngineError, PauseMode, SamplingParams, Token
 logger = logging.getLogger(__name__)
 
 
-class Engine:
-    """Continuous-batching generation engine over a transformers causal LM."""
+class _EngineThread:
+    """The engine thread and the command queue through which other threads reach it.
+
+    The subclass's `_loop` is the thread's body: it runs the queued commands and
+    returns once `_stop` is set; `_wake` is set whenever there is news for it.
+    """
+
+    def __init__(self) -> None:
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="asyncgrpo-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def is_alive(self) -> bool:
+        """True while the engine thread runs (False before start and after a crash)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _require_alive(self) -> None:
+        # a command queued to a dead engine thread would never run: fail fast instead
+        if not self.is_alive():
+            raise EngineError("the engine is not running", 503)
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        self._commands.put(fn)
+        self._wake.set()
+
+    async def _run_on_engine(self, fn: Callable[[], object]):
+        self._require_alive()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def command():
+            try:
+                result = fn()
+            except BaseException as exc:  # delivered to the caller, never kills the engine
+                loop.call_soon_threadsafe(future.set_exception, exc)
+            else:
+                loop.call_soon_threadsafe(future.set_result, result)
+
+        self._call(command)
+        return await future
+
+
+class Engine(_EngineThread):
+    """Continuous-batching generation engine over a transformers causal LM.
+
+    Thread lifecycle (`start`, `shutdown`, `is_alive`) and running commands on
+    the engine thread come from `_EngineThread`.
+    """
 
     def __init__(self, config: EngineConfig):
         if config.model is None:
@@ -66,10 +128,7 @@ class Engine:
         self._params = dict(model.state_dict(keep_vars=True))
         self._paused: PauseMode | None = None
         self._pause_waiters: list[Callable[[], None]] = []
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread: threading.Thread | None = None
+        super().__init__()
         self._ids = itertools.count()
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self.busy_seconds = 0.0
@@ -99,23 +158,7 @@ class Engine:
         """Admitted prompt tokens read from the prefix cache."""
         return self.scheduler.cached_prompt_tokens
 
-    # ---- lifecycle -----------------------------------------------------------
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="asyncgrpo-engine", daemon=True)
-            self._thread.start()
-
-    def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
-
-    def is_alive(self) -> bool:
-        """True while the engine thread runs (False before start and after a crash)."""
-        return self._thread is not None and self._thread.is_alive()
+    # ---- state ---------------------------------------------------------------
 
     @property
     def is_paused(self) -> bool:
@@ -239,33 +282,6 @@ class Engine:
 
     def set_weight_version(self, version: int) -> None:
         self.weight_version = int(version)
-
-    # ---- plumbing between threads ----------------------------------------------
-
-    def _require_alive(self) -> None:
-        # a command queued to a dead engine thread would never run: fail fast instead
-        if not self.is_alive():
-            raise EngineError("the engine is not running", 503)
-
-    def _call(self, fn: Callable[[], None]) -> None:
-        self._commands.put(fn)
-        self._wake.set()
-
-    async def _run_on_engine(self, fn: Callable[[], object]):
-        self._require_alive()
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def command():
-            try:
-                result = fn()
-            except BaseException as exc:  # delivered to the caller, never kills the engine
-                loop.call_soon_threadsafe(future.set_exception, exc)
-            else:
-                loop.call_soon_threadsafe(future.set_result, result)
-
-        self._call(command)
-        return await future
 
     # ---- engine thread ---------------------------------------------------------
 

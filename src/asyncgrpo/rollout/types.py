@@ -28,13 +28,11 @@ class Rollout:
     text: str
     rewards: list[float | None] = field(default_factory=list)  # one per reward function
     reward: float = float("nan")  # combined reward (NaN: masked)
-    advantage: float = 0.0
     completion_mask: list[int] | None = None  # 1 where sampled (carries loss); None: all ones
 
     @property
     def min_version(self) -> int:
-        sampled = [v for v in self.versions if v >= 0]  # −1: inserted, not sampled
-        return min(sampled) if sampled else 0
+        return min_version(self.versions)
 
     @property
     def num_sampled(self) -> int:
@@ -58,6 +56,8 @@ class Group:
     def min_version(self) -> int:
         return min(r.min_version for r in self.rollouts)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(r.prompt_ids) + len(r.completion_ids) for r in self.rollouts)
+
+def min_version(versions: list[int]) -> int:
+    """The oldest weight version among sampled tokens (−1 marks inserted ones); 0 if none."""
+    sampled = [v for v in versions if v >= 0]
+    return min(sampled) if sampled else 0
