@@ -32,6 +32,13 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, **components) -> 
     """Train until `max_steps` (or `max_time_s`, or a signal); return the run directory."""
     stop = _stop_on_signals()
     r: RunContext = build_run(cfg, resume=resume, **components)
+    run_to_end(r, stop, resume=resume is not None)
+    plot_run(r.run_dir)
+    return r.run_dir
+
+
+def run_to_end(r: RunContext, stop: threading.Event, resume: bool = False) -> None:
+    """Start the engine, run both halves until done, checkpoint, evaluate; close `r`."""
     try:
         r.start_engine()
         if resume:
@@ -44,8 +51,6 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, **components) -> 
             r.evaluator.maybe_start(r.step, final=True)
     finally:
         r.close()
-    plot_run(r.run_dir)
-    return r.run_dir
 
 
 async def continuous_rollouts(r: RunContext) -> None:

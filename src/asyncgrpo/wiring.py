@@ -19,15 +19,17 @@ from typing import Any
 import torch
 import yaml
 
-from asyncgrpo.backend import make_backend
+from asyncgrpo.backend import EngineBackend, make_backend
 from asyncgrpo.config import RunConfig
 from asyncgrpo.coordinator.buffer import RolloutBuffer
 from asyncgrpo.evaluation import Evaluator
 from asyncgrpo.loop_thread import LoopThread
 from asyncgrpo.metrics.rows import StepRows
+from asyncgrpo.rollout.builder import GroupBuilder
 from asyncgrpo.rollout.orchestrator import Orchestrator
 from asyncgrpo.rollout.prompts import PromptStream
 from asyncgrpo.run_context import RunContext
+from asyncgrpo.trainer.base import Trainer
 from asyncgrpo.trainer.checkpoint import Checkpointer
 
 logger = logging.getLogger(__name__)
@@ -70,7 +72,8 @@ def build_run(
     from asyncgrpo.rollout.rewards import RewardRunner
 
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
-    _check(cfg, funcs, rollout_func is not None or cfg.agent.rollout is not None)
+    agent = rollout_func is not None or cfg.agent.rollout is not None
+    _check(cfg, funcs, agent)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
     run_dir = Path(resume) if resume else Path(cfg.output_dir) / cfg.name
@@ -93,22 +96,43 @@ def build_run(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
         rewards = RewardRunner(funcs) if funcs else None
-        parts = dict(
-            model=model.float(), tokenizer=tokenizer, rewards=rewards, rollout_func=rollout_func
+        trainer = _trainer(cfg, model.float())
+        builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func)
+        closers = [rewards.close] if rewards is not None else []
+        repeats = cfg.agent.eval_repeats if agent else 1  # sampled episodes: average some
+        return assemble_run(
+            cfg,
+            run_dir,
+            engine,
+            trainer,
+            builder,
+            tracker,
+            train_dataset,
+            eval_dataset,
+            closers,
+            eval_repeats=repeats,
         )
-        return _assemble(cfg, run_dir, engine, tracker, train_dataset, eval_dataset, **parts)
     except BaseException:
         asyncio.run(engine.close())
         raise
 
 
-def _assemble(
-    cfg, run_dir, engine, tracker, train_rows, eval_rows, *, model, tokenizer, rewards, rollout_func
+def assemble_run(
+    cfg: RunConfig,
+    run_dir: Path,
+    engine: EngineBackend,
+    trainer: Trainer,
+    builder: GroupBuilder,
+    tracker: Any,
+    train_rows: Any,
+    eval_rows: Any,
+    closers: list | None = None,
+    eval_repeats: int = 1,
 ) -> RunContext:
-    trainer = _trainer(cfg, model)
+    """The run around its three roles: prompt stream, buffer, orchestrator, loop thread,
+    evaluator, checkpoints and metric rows, each configured from its own section."""
     prompts = PromptStream(train_rows, cfg.seed)
     buffer = _buffer(cfg, prompts)
-    builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func)
     orchestrator = Orchestrator(
         builder,
         buffer,
@@ -118,7 +142,6 @@ def _assemble(
         on_reward_error=cfg.rollout.reward_error_policy,
     )
     loop = LoopThread()
-    agent = rollout_func is not None or cfg.agent.rollout is not None
     evaluator = Evaluator(
         builder,
         eval_rows,
@@ -126,7 +149,7 @@ def _assemble(
         tracker,
         every=cfg.eval_steps,
         limit=cfg.eval_limit,
-        repeats=cfg.agent.eval_repeats if agent else 1,
+        repeats=eval_repeats,
         timeout_s=cfg.rollout.request_timeout_s,
     )
     weight_dtype = getattr(torch, cfg.engine.resolved_dtype())
@@ -148,7 +171,7 @@ def _assemble(
         rows=StepRows(tracker, buffer, builder),
         tracker=tracker,
         weight_dtype=weight_dtype,
-        closers=[rewards.close] if rewards is not None else [],
+        closers=closers or [],
     )
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import threading
 import time
 from pathlib import Path
@@ -32,9 +31,6 @@ from asyncgrpo.backend.base import EngineBackend
 from asyncgrpo.client.engine_client import Completion, Sample
 from asyncgrpo.config import AdvantageConfig, RunConfig, build_config
 from asyncgrpo.coordinator.buffer import RolloutBuffer
-from asyncgrpo.evaluation import Evaluator
-from asyncgrpo.loop_thread import LoopThread
-from asyncgrpo.metrics.rows import StepRows
 from asyncgrpo.metrics.tracker import MetricsTracker, read_metrics
 from asyncgrpo.rollout.builder import GroupBuilder, GroupDropped, is_zero_variance
 from asyncgrpo.rollout.orchestrator import Orchestrator
@@ -42,10 +38,11 @@ from asyncgrpo.rollout.prompts import PromptStream
 from asyncgrpo.rollout.rewards import RewardFailure
 from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
 from asyncgrpo.rollout.types import Group, Rollout
-from asyncgrpo.run import continuous_rollouts, continuous_training
+from asyncgrpo.run import run_to_end
 from asyncgrpo.run_context import RunContext
 from asyncgrpo.trainer.base import Trainer
 from asyncgrpo.trainer.checkpoint import Checkpointer, TrainingState, latest_checkpoint
+from asyncgrpo.wiring import assemble_run
 
 # ---- fakes -----------------------------------------------------------------------------
 
@@ -200,60 +197,16 @@ def run_config(tmp_path: Path, **coordinator: Any) -> RunConfig:
 
 
 def assemble(cfg: RunConfig, rows: list[dict]) -> RunContext:
-    """A `RunContext` of fakes and real plumbing, wired as `wiring._assemble` wires it."""
+    """A `RunContext` of fake roles and real plumbing, wired by `wiring.assemble_run`."""
     run_dir = Path(cfg.output_dir) / cfg.name
     engine, trainer = FakeEngine(), FakeTrainer()
-    builder = FakeBuilder(engine)
     tracker = MetricsTracker(run_dir, overwrite=True)
-    prompts = PromptStream(rows, cfg.seed)
-    c = cfg.coordinator
-    buffer = RolloutBuffer(
-        c.batch_groups,
-        c.max_staleness,
-        on_drop_stale=lambda g: prompts.done(g.data_index),
-        max_ahead=None
-        if c.max_ahead_batches is None
-        else math.ceil(c.max_ahead_batches * c.batch_groups),
-    )
-    orchestrator = Orchestrator(
-        builder,
-        buffer,
-        prompts,
-        filter_zero_variance=cfg.rollout.filter_zero_variance,
-        max_concurrent_groups=cfg.rollout.max_concurrent_groups,
-        on_reward_error=cfg.rollout.reward_error_policy,
-    )
-    loop = LoopThread()
-    evaluator = Evaluator(builder, None, loop, tracker, every=cfg.eval_steps, timeout_s=5)
-    return RunContext(
-        cfg=cfg,
-        run_dir=run_dir,
-        loop=loop,
-        engine=engine,
-        builder=builder,
-        buffer=buffer,
-        prompts=prompts,
-        orchestrator=orchestrator,
-        trainer=trainer,
-        evaluator=evaluator,
-        checkpoints=Checkpointer(trainer, run_dir, cfg.checkpoint_steps, None, torch.float32),
-        rows=StepRows(tracker, buffer, builder),
-        tracker=tracker,
-        weight_dtype=torch.float32,
-    )
+    return assemble_run(cfg, run_dir, engine, trainer, FakeBuilder(engine), tracker, rows, None)
 
 
 def train_like_run_train(r: RunContext) -> None:
     """What `run.train` does after `build_run`."""
-    try:
-        r.start_engine()
-        r.sync_weights()
-        r.producer = r.loop.submit(continuous_rollouts(r))
-        continuous_training(r, threading.Event())
-        r.checkpoint(force=True)
-        r.evaluator.maybe_start(r.step, final=True)
-    finally:
-        r.close()
+    run_to_end(r, threading.Event())
 
 
 @pytest.mark.parametrize(
