@@ -25,9 +25,12 @@ from asyncgrpo.coordinator.buffer import RolloutBuffer
 from asyncgrpo.evaluation import Evaluator
 from asyncgrpo.loop_thread import LoopThread
 from asyncgrpo.metrics.rows import StepRows
+from asyncgrpo.metrics.tracker import MetricsTracker
 from asyncgrpo.rollout.builder import GroupBuilder
+from asyncgrpo.rollout.data import load_prompts
 from asyncgrpo.rollout.orchestrator import Orchestrator
 from asyncgrpo.rollout.prompts import PromptStream
+from asyncgrpo.rollout.rewards import RewardRunner
 from asyncgrpo.run_context import RunContext
 from asyncgrpo.trainer.base import Trainer
 from asyncgrpo.trainer.checkpoint import Checkpointer
@@ -66,10 +69,6 @@ def build_run(
     rollout_func: Any = None,
 ) -> RunContext:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from asyncgrpo.metrics.tracker import MetricsTracker
-    from asyncgrpo.rollout.data import load_prompts
-    from asyncgrpo.rollout.rewards import RewardRunner
 
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
     agent = rollout_func is not None or cfg.agent.rollout is not None
