@@ -87,8 +87,6 @@ class EngineConfig(Section):
     """Longest prompt piece prefilled in one step; longer prompts take several steps."""
     prefill_token_budget: int = Field(2048, ge=1)
     """Most (padded) prompt tokens prefilled in one step, across requests."""
-    seed: int = 0
-    """Seed of requests that do not pass their own."""
     served_model_name: str | None = None
     """Name reported by /v1/models and accepted as `model` (default: the model path)."""
     tool_parser: str = "hermes"

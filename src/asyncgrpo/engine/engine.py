@@ -130,7 +130,6 @@ class Engine(_EngineThread):
         self._pause_waiters: list[Callable[[], None]] = []
         super().__init__()
         self._ids = itertools.count()
-        self._default_generator = torch.Generator().manual_seed(config.seed)
         self.busy_seconds = 0.0
 
     # ---- counters kept by the scheduler ----------------------------------------

@@ -82,10 +82,6 @@ class EngineProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        if self._config_file is None:
-            fd, self._config_file = tempfile.mkstemp(prefix="asyncgrpo-engine-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                f.write(self.config.model_dump_json())
         return [
             sys.executable,
             "-m",
@@ -99,11 +95,18 @@ class EngineProcess:
             str(self.port),
         ]
 
+    def _write_config(self) -> None:
+        """The config file the child reads (removed again by `stop`)."""
+        fd, self._config_file = tempfile.mkstemp(prefix="asyncgrpo-engine-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(self.config.model_dump_json())
+
     def start(self) -> None:
         if self.alive():
             return
         if self.port == 0:  # keep the address across restarts
             self.port = free_port()
+        self._write_config()
         env = dict(
             os.environ, ASYNCGRPO_ADMIN_TOKEN=self.admin_token, **{PARENT_PID_ENV: str(os.getpid())}
         )

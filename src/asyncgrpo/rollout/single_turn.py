@@ -19,6 +19,7 @@ import numpy as np
 from asyncgrpo.client.retry import EngineHTTPError
 from asyncgrpo.config import AdvantageConfig
 from asyncgrpo.rollout.builder import GroupDropped, is_zero_variance
+from asyncgrpo.rollout.data import render_prompt
 from asyncgrpo.rollout.rewards import RewardFailure
 from asyncgrpo.rollout.types import Group, Rollout
 
@@ -51,8 +52,6 @@ class SingleTurnBuilder:
         self.generated_tokens = 0
 
     def render(self, prompt: Any) -> list[int]:
-        from asyncgrpo.rollout.data import render_prompt
-
         return render_prompt(self.tokenizer, prompt)
 
     def decode(self, ids: list[int]) -> str:
