@@ -1,0 +1,100 @@
+"""The engine section: what a recipe, `asyncgrpo serve` and the engine process share.
+
+The embedded engine's process receives an `EngineConfig` as JSON and validates it
+with the same class, so the three places agree on one set of defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from asyncgrpo.config.base import Section
+
+
+class EngineConfig(Section):
+    """The engine section of a recipe, and the whole configuration of `asyncgrpo serve`.
+
+    The embedded engine's process receives this very object as JSON and validates it
+    with this class: one set of defaults for a recipe, `asyncgrpo serve` and `Engine`.
+    """
+
+    type: Literal["embedded", "external"] = "embedded"
+    """`embedded`: start `asyncgrpo serve` as a child process. `external`: use a running
+    server (asyncgrpo or vLLM) at `base_url`."""
+    base_url: str | None = None
+    """URL of an external engine (type=external)."""
+    admin_token_env: str = "ASYNCGRPO_ADMIN_TOKEN"
+    """Environment variable holding an external engine's admin token."""
+    startup_timeout_s: float = Field(600.0, gt=0)
+    """How long to wait for the engine to become healthy (model load included)."""
+    weight_transport: Literal["shm", "disk", "http"] = "shm"
+    """How weights reach the engine: shared memory (same host), a safetensors file in a
+    directory both can read, or the bytes in the HTTP body (any host)."""
+    model: str | None = None
+    """Local model directory the engine loads; None: the run's model (`model.name_or_path`)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Precision of the weights the engine samples with (the trainer publishes in it).
+    `auto`: bfloat16 on a GPU or a CPU that multiplies bf16 natively (AVX512-BF16/AMX),
+    float32 elsewhere. Without native bf16 the engine computes in float32 anyway, so bf16
+    weights would only round small updates away."""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Arithmetic precision. `auto`: `dtype` where the CPU has native bf16 instructions,
+    float32 otherwise (bf16 matmuls are emulated, about 3x slower, on AVX2-only CPUs); a
+    bf16 model computed in fp32 samples from the same weights with less rounding."""
+    num_threads: int | None = Field(1, ge=1)
+    """torch threads of the embedded engine process (None: torch's choice). One by default:
+    on a laptop the trainer needs the other cores."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences the embedded engine decodes together (KV-cache slots)."""
+    max_model_len: int | None = Field(None, ge=16)
+    """Context limit (prompt + completion); None: the model's own limit, at most 4096."""
+    prefix_cache_tokens: int = Field(4096, ge=0)
+    """Prompt tokens whose keys and values the embedded engine keeps for later prompts
+    with the same prefix (system prompts, agent conversations); 0 turns it off. Costs
+    `prefix_cache_tokens` positions of KV memory."""
+    prefill_chunk_size: int = Field(512, ge=1)
+    """Longest prompt piece prefilled in one step; longer prompts take several steps."""
+    prefill_token_budget: int = Field(2048, ge=1)
+    """Most (padded) prompt tokens prefilled in one step, across requests."""
+    served_model_name: str | None = None
+    """Name reported by /v1/models and accepted as `model` (default: the model path)."""
+    tool_parser: str = "hermes"
+    """How tool calls are read out of generated text (`asyncgrpo.agents.toolcalls`)."""
+    max_open_episodes: int = Field(1024, ge=1)
+    """Agent episodes open at once; opening one more is refused (503) until some close."""
+    episode_idle_timeout_s: float = Field(900.0, gt=0)
+    """An episode with no call for this long is closed (its samples are dropped)."""
+    max_request_sequences: int = Field(256, ge=1)
+    """Most sequences one request may ask for: prompts × `n` (400 beyond)."""
+    sync_timeout_s: float = Field(300.0, gt=0)
+    """Deadline of one weight sync (pause, transfer, load, resume); an engine that misses
+    it is treated as dead and restarted."""
+    max_body_mb: float = Field(16.0, gt=0)
+    """Largest request body on every route but the weight upload (413 beyond)."""
+    max_weight_body_mb: float = Field(4096.0, gt=0)
+    """Largest body of POST /update_weights (the `http` transport sends weights in it)."""
+
+    def resolved_dtype(self) -> str:
+        """`dtype` resolved for this machine."""
+        return resolve_dtype(self.dtype)
+
+    def resolved_compute_dtype(self) -> str:
+        """`compute_dtype` resolved for this machine."""
+        if self.compute_dtype != "auto":
+            return self.compute_dtype
+        from asyncgrpo.hardware import cpu_has_native_bf16
+
+        return self.resolved_dtype() if cpu_has_native_bf16() else "float32"
+
+
+def resolve_dtype(dtype: str) -> str:
+    """`auto` -> bfloat16 where bf16 is native (GPU, AVX512-BF16/AMX), float32 elsewhere."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    from asyncgrpo.hardware import cpu_has_native_bf16
+
+    return "bfloat16" if torch.cuda.is_available() or cpu_has_native_bf16() else "float32"

