@@ -6,6 +6,7 @@ Its settings are the fields of `EngineConfig` (a recipe's `engine:` section):
 `--config FILE` reads them from a JSON or YAML file, and every field is also a
 flag (`--max-model-len 2048`) that overrides the file. The defaults are the
 model's own, so a recipe, `asyncgrpo serve` and `Engine` never disagree.
+The connection limits and timeouts (`server/connections.py`) are fields too.
 `train` hands over to `asyncgrpo.run.main`. Errors a user can fix (a wrong
 model path, a missing package, a bad value) print one line and exit non-zero,
 without a traceback.
@@ -107,10 +108,9 @@ def serve(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as exc:
         raise CliError(f"--tool-parser: {exc}") from None
 
-    import uvicorn
-
     from asyncgrpo.engine.engine import Engine
     from asyncgrpo.server import ServerSettings, create_app
+    from asyncgrpo.server.connections import run_server
 
     try:
         engine = Engine(cfg)
@@ -125,13 +125,8 @@ def serve(args: argparse.Namespace) -> int:
         + ("enabled" if token else "disabled (no admin token)"),
         flush=True,
     )
-    uvicorn.run(
-        create_app(engine, settings),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=5,
+    run_server(
+        create_app(engine, settings), cfg, host=args.host, port=args.port, log_level=args.log_level
     )
     return 0
 

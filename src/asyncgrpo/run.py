@@ -44,11 +44,13 @@ def run_to_end(r: RunContext, stop: threading.Event, resume: bool = False) -> No
         if resume:
             r.resume()
         r.sync_weights()  # the engine samples with the trainer's weights from the start
+        r.start_watchdog()  # logs what the run waits for whenever nothing moves
         r.producer = r.loop.submit(continuous_rollouts(r))
         continuous_training(r, stop)
         r.checkpoint(force=True)
         if not stop.is_set():
-            r.evaluator.maybe_start(r.step, final=True)
+            with r.doing("final evaluation"):
+                r.evaluator.maybe_start(r.step, final=True)
     finally:
         r.close()
 
@@ -78,7 +80,7 @@ def continuous_training(r: RunContext, stop: threading.Event) -> None:
         if groups is None:
             break
         r.evaluator.maybe_start(r.step)  # after the batch is in, so it never delays it
-        with r.tracker.span("trainer"):
+        with r.doing("optimizer step", span="trainer"):
             metrics = r.trainer.step(groups)
         r.consumed(groups)
         if r.step % cfg.coordinator.weight_sync_steps == 0:

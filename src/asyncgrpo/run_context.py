@@ -5,18 +5,21 @@
 `GroupBuilder`, `Trainer`, the buffer); this class only holds them together
 and does what touches several at once: a weight sync (trainer -> engine ->
 buffer's engine version), waiting for a batch while watching the engine and
-the producer, a metric row, a checkpoint with the data position, and an
-orderly shutdown that writes the accounting.
+the producer, a metric row, a checkpoint with the data position and the
+accounting, and an orderly shutdown. It also says what the trainer's thread is
+doing (`activity`), which the watchdog (`watchdog.py`) reports when nothing
+moves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +38,11 @@ from asyncgrpo.rollout.prompts import PromptStream
 from asyncgrpo.rollout.types import Group
 from asyncgrpo.trainer.base import Trainer
 from asyncgrpo.trainer.checkpoint import Checkpointer
+from asyncgrpo.watchdog import Watchdog, pipeline_report, progress_mark
 
 logger = logging.getLogger(__name__)
+
+LOOP_ANSWER_S = 60.0  # the rollout loop answers a bookkeeping call within this, or is stuck
 
 
 class RunAborted(RuntimeError):
@@ -60,25 +66,56 @@ class RunContext:
     tracker: Any
     weight_dtype: torch.dtype
     closers: list = field(default_factory=list)  # more to close at the end (reward pools)
+    rewards: Any = None  # the RewardRunner, whose running calls the watchdog reports
     start_time: float = field(default_factory=time.monotonic)
     weight_sync_s: float = 0.0
     producer: concurrent.futures.Future | None = None
+    activity: tuple[str, float] = field(default_factory=lambda: ("starting", time.monotonic()))
+    _doing_depth: int = 0
+    restarts_before: int = 0  # engine restarts of the sessions this one resumes
+    watchdog: Watchdog | None = None
 
     @property
     def step(self) -> int:
         return self.trainer.version
 
+    @contextmanager
+    def doing(self, what: str, span: str | None = None) -> Iterator[None]:
+        """Mark what the trainer's thread does (for the watchdog), and its timeline span.
+        Nested (a sync while waiting for a batch), the outer activity comes back after."""
+        outer = self.activity if self._doing_depth else None
+        self.activity, self._doing_depth = (what, time.monotonic()), self._doing_depth + 1
+        try:
+            if span is None:
+                yield
+            else:
+                with self.tracker.span(span):
+                    yield
+        finally:
+            self._doing_depth -= 1
+            self.activity = outer or (f"done with {what}", time.monotonic())
+
     def start_engine(self) -> None:
         """Wait for the engine; meanwhile the transport lays out the first sync."""
         layout = list(self.trainer.named_weights(self.weight_dtype))
-        self.loop.run(self.engine.wait_ready(layout))
+        with self.doing("waiting for the engine to start"):
+            self.loop.run(self.engine.wait_ready(layout))
+
+    def start_watchdog(self) -> None:
+        period = self.cfg.coordinator.watchdog_s
+        self.watchdog = Watchdog(period, lambda: progress_mark(self), self.report)
+        self.watchdog.start()
+
+    def report(self) -> str:
+        """What every stage is doing now (the watchdog's line)."""
+        return pipeline_report(self)
 
     def sync_weights(self) -> None:
         """Publish the trainer's weights; the engine's version becomes the trainer's."""
         start = time.monotonic()
         version = self.trainer.version
         weights = list(self.trainer.named_weights(self.weight_dtype))
-        with self.tracker.span("weight_sync"):
+        with self.doing(f"weight sync of version {version}", span="weight_sync"):
             try:
                 self.loop.run(
                     self.engine.sync_weights(weights, version, self.cfg.coordinator.sync_mode)
@@ -95,25 +132,27 @@ class RunContext:
     def next_batch(self, stop: threading.Event) -> list[Group] | None:
         """Wait for a full batch of fresh groups, watching the engine and the producer.
 
-        Returns None when `stop` is set while waiting.
+        Returns None when `stop` is set while waiting; aborts after `request_timeout_s`.
         """
-        waited = 0.0
-        while not stop.is_set():
-            self._check_producer()
-            self._revive_engine()
-            try:
-                return self.buffer.get_batch(self.trainer.version, timeout=1.0)
-            except TimeoutError:
-                waited += 1.0
-                if waited > self.cfg.rollout.request_timeout_s:
-                    raise RunAborted(
-                        f"no batch for {waited:.0f}s: {self.buffer.snapshot()}"
-                    ) from None
+        timeout = self.cfg.rollout.request_timeout_s
+        deadline = time.monotonic() + timeout
+        with self.doing("waiting for a batch"):
+            while not stop.is_set():
+                self._check_producer()
+                self._revive_engine()
+                try:
+                    return self.buffer.get_batch(self.trainer.version, timeout=1.0)
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise RunAborted(
+                            f"no batch within {timeout:g} s (rollout.request_timeout_s) | "
+                            f"{self.report()}"
+                        ) from None
         return None
 
     def _check_producer(self) -> None:
         if self.orchestrator.fatal is not None:
-            raise RunAborted(f"reward function failed: {self.orchestrator.fatal}")
+            raise RunAborted(str(self.orchestrator.fatal))
         if self.producer is not None and self.producer.done() and self.producer.exception():
             raise RunAborted(f"rollouts stopped: {self.producer.exception()!r}")
 
@@ -133,7 +172,23 @@ class RunContext:
 
     def checkpoint(self, force: bool = False) -> None:
         elapsed = time.monotonic() - self.start_time
-        self.checkpoints.maybe_save(self.step, self.prompts.state(), elapsed, force=force)
+        with self.doing("checkpoint"):
+            self.checkpoints.maybe_save(self.step, self._progress, elapsed, force=force)
+
+    def _progress(self) -> tuple[dict, dict]:
+        """The data position and the accounting, taken together on the rollout loop, where
+        groups finish: a group is then either counted and done, or neither."""
+
+        async def both() -> tuple[dict, dict]:
+            return self.prompts.state(), self.accounting()
+
+        try:
+            return self.loop.run(both(), timeout=LOOP_ANSWER_S)
+        except concurrent.futures.TimeoutError:
+            raise RunAborted(
+                f"the rollout loop did not answer within {LOOP_ANSWER_S:.0f} s: something "
+                f"running on it blocks (an async reward or rollout function?) | {self.report()}"
+            ) from None
 
     def resume(self) -> None:
         try:
@@ -141,6 +196,11 @@ class RunContext:
         except FileNotFoundError as exc:
             raise RunAborted(str(exc)) from None
         self.prompts.load_state(state.data_position)
+        counts = state.extra.get("accounting")
+        if counts:  # the totals go on from the checkpoint's
+            self.buffer.carry_over(counts)
+            self.orchestrator.failures.update(counts.get("failures", {}))
+            self.restarts_before = int(counts.get("engine_restarts", 0))
         self.start_time -= float(state.extra.get("time_s", 0.0))
         self.tracker.truncate_after(state.step)
         logger.info("resumed at step %d", state.step)
@@ -156,15 +216,18 @@ class RunContext:
         )
 
     def accounting(self) -> dict[str, Any]:
-        """Where every admitted group went; `admitted` equals the sum of the rest."""
+        """Where every admitted group went, over the whole run (resumed sessions included);
+        `admitted` equals the sum of the rest."""
         return {
             **self.buffer.snapshot(),
             "failures": dict(self.orchestrator.failures),
-            "engine_restarts": self.engine.restarts,
+            "engine_restarts": self.restarts_before + self.engine.restarts,
         }
 
     def close(self) -> None:
         """Stop rollouts, the loop thread and the engine; safe to call twice."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.orchestrator.stop()
         self.buffer.close()
         if self.producer is not None:
@@ -172,7 +235,7 @@ class RunContext:
                 self.producer.result(timeout=10)
             except Exception:
                 pass
-        (self.run_dir / "accounting.json").write_text(json.dumps(self.accounting(), indent=1))
+        self.checkpoints.write_accounting(self.accounting())
         try:
             self.loop.run(self.engine.close(), timeout=30)
         except Exception:

@@ -83,6 +83,7 @@ def build_run(
     engine_cfg = cfg.engine.model_copy(update={"model": cfg.engine.model or model_dir})
     engine = make_backend(engine_cfg, run_dir)
     engine.launch()  # the engine loads its copy of the model while this process loads its own
+    rewards = None
     try:
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -94,10 +95,9 @@ def build_run(
         tracker = MetricsTracker(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
-        rewards = RewardRunner(funcs) if funcs else None
+        rewards = _rewards(cfg, funcs)
         trainer = _trainer(cfg, model.float())
         builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func)
-        closers = [rewards.close] if rewards is not None else []
         repeats = cfg.agent.eval_repeats if agent else 1  # sampled episodes: average some
         return assemble_run(
             cfg,
@@ -108,12 +108,26 @@ def build_run(
             tracker,
             train_dataset,
             eval_dataset,
-            closers,
+            rewards=rewards,
             eval_repeats=repeats,
         )
     except BaseException:
+        if rewards is not None:
+            rewards.close()
         asyncio.run(engine.close())
         raise
+
+
+def _rewards(cfg: RunConfig, funcs: list) -> RewardRunner | None:
+    r = cfg.rollout
+    if not funcs:
+        return None
+    return RewardRunner(
+        funcs,
+        timeout_s=r.reward_timeout_s,
+        workers=r.reward_workers,
+        num_workers=r.reward_num_workers,
+    )
 
 
 def assemble_run(
@@ -125,11 +139,12 @@ def assemble_run(
     tracker: Any,
     train_rows: Any,
     eval_rows: Any,
-    closers: list | None = None,
+    rewards: Any = None,
     eval_repeats: int = 1,
 ) -> RunContext:
     """The run around its three roles: prompt stream, buffer, orchestrator, loop thread,
-    evaluator, checkpoints and metric rows, each configured from its own section."""
+    evaluator, checkpoints and metric rows, each configured from its own section.
+    `rewards`, the builder's `RewardRunner` if any, is closed with the run."""
     prompts = PromptStream(train_rows, cfg.seed)
     buffer = _buffer(cfg, prompts)
     orchestrator = Orchestrator(
@@ -170,11 +185,13 @@ def assemble_run(
         rows=StepRows(tracker, buffer, builder),
         tracker=tracker,
         weight_dtype=weight_dtype,
-        closers=closers or [],
+        closers=[rewards.close] if rewards is not None else [],
+        rewards=rewards,
     )
 
 
 def _trainer(cfg: RunConfig, model: torch.nn.Module):
+    from asyncgrpo.engine.sampling import GREEDY_BELOW
     from asyncgrpo.trainer.loop import PolicyTrainer
 
     return PolicyTrainer(
@@ -184,6 +201,8 @@ def _trainer(cfg: RunConfig, model: torch.nn.Module):
         cfg.advantage,
         max_steps=cfg.max_steps,
         temperature=cfg.rollout.temperature or 1.0,
+        # a greedy engine applies no nucleus: its log-probs are the plain log-softmax
+        top_p=cfg.rollout.top_p if cfg.rollout.temperature >= GREEDY_BELOW else 1.0,
         max_completion_length=cfg.rollout.max_tokens,
     )
 

@@ -2,18 +2,29 @@
 
 After each publish the engine's log-probs must equal a plain forward pass of
 the *published* weights: that catches a transport that moves bytes to the
-wrong place, not just one that moves nothing.
+wrong place, not just one that moves nothing. Hostile weight paths (files
+outside the transports' directories, symlinks, FIFOs) and integer tensors are
+refused with a 400 that changes nothing.
 """
 
 import asyncio
+import contextlib
 import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncgrpo.client import EngineClient, EngineHTTPError
 from asyncgrpo.transport import make_transport
+from asyncgrpo.transport.disk import DIRECTORY_PREFIX
+from asyncgrpo.transport.shm import SEGMENT_PREFIX, shm_directory
 
 ENGINE_SETTINGS = dict(max_num_seqs=8)  # the `server` fixture of conftest.py
 
@@ -211,5 +222,152 @@ def test_chat_abort_requests_and_information_routes(server, tokenizer):
             assert await client.get_world_size() == 1
             assert await client.weight_version() == (await client.server_info())["weight_version"]
             await client.reset_prefix_cache()
+
+    run(scenario())
+
+
+# ---- hostile weight paths (the admin token is required too: this is defence in depth) ----
+
+
+def admin_http(server) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {server.admin_token}"}
+    return httpx.Client(base_url=server.base_url, headers=headers, timeout=10)
+
+
+def open_session(http: httpx.Client, backend: str) -> None:
+    init = http.post("/init_weight_transfer_engine", json={"init_info": {"backend": backend}})
+    assert init.status_code == 200, init.text
+    assert http.post("/start_weight_update", json={}).status_code == 200
+
+
+def refusal(response: httpx.Response, path: str) -> str:
+    """The error message with the path blanked out (so two refusals can be compared)."""
+    assert response.status_code == 400, (path, response.status_code, response.text)
+    return response.json()["error"]["message"].replace(repr(path), "<path>")
+
+
+SEGMENT_INFO = {"names": ["x"], "dtype_names": ["uint8"], "shapes": [[8]], "offsets": [0]}
+needs_dev_shm = pytest.mark.skipif(
+    str(shm_directory()) != "/dev/shm", reason="needs a writable /dev/shm"
+)
+
+
+@needs_dev_shm
+def test_shm_maps_only_its_own_segments(server):
+    tag = secrets.token_hex(4)
+    link = Path(f"/dev/shm/{SEGMENT_PREFIX}link-{tag}.safetensors")
+    unprefixed = Path(f"/dev/shm/not-asyncgrpo-{tag}.safetensors")
+    link.symlink_to("/etc/passwd")
+    unprefixed.write_bytes(b"\0" * 64)
+    paths = ["/etc/passwd", str(link), str(unprefixed), f"/dev/shm/{SEGMENT_PREFIX}missing-{tag}"]
+    try:
+        with admin_http(server) as http:
+            version = http.get("/weight_info").json()["weight_version"]
+            open_session(http, "shm")
+            messages = set()
+            for path in paths:
+                response = http.post(
+                    "/update_weights", json={"update_info": {**SEGMENT_INFO, "path": path}}
+                )
+                messages.add(refusal(response, path))
+            assert len(messages) == 1 and "/dev/shm/asyncgrpo-weights-*" in messages.pop()
+            maps = Path(f"/proc/{server.pid}/maps").read_text()
+            assert "/etc/passwd" not in maps and unprefixed.name not in maps  # nothing mapped
+            finish = http.post("/finish_weight_update", json={})
+            assert finish.status_code == 400 and "no tensors were sent" in finish.text
+            assert http.get("/weight_info").json()["weight_version"] == version
+    finally:
+        link.unlink()
+        unprefixed.unlink()
+
+
+def test_disk_refusals_do_not_reveal_whether_a_path_exists(server, model, tmp_path):
+    name, tensor = next(iter(model.state_dict().items()))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_file({name: tensor.clone()}, outside / "model.safetensors")  # valid, but not allowed
+    allowed = Path(tempfile.mkdtemp(prefix=DIRECTORY_PREFIX))
+    (allowed / "model.safetensors").symlink_to(outside / "model.safetensors")
+    paths = [
+        str(outside),
+        str(outside / "model.safetensors"),
+        str(tmp_path / "missing"),
+        "/etc/passwd",
+        "/etc",
+        "/etc/no-such-file",
+        str(allowed),  # a directory where the transport writes, whose file links outside
+        "/tmp/x\0y",
+    ]
+    try:
+        with admin_http(server) as http:
+            open_session(http, "disk")
+            messages = set()
+            for path in paths:
+                response = http.post("/update_weights", json={"update_info": {"path": path}})
+                if path == str(allowed):
+                    path = str(allowed / "model.safetensors")  # named by the file it refused
+                messages.add(refusal(response, path))
+        assert len(messages) == 1, messages
+    finally:
+        shutil.rmtree(allowed)
+
+
+@needs_dev_shm
+def test_fifo_weight_paths_are_refused_without_blocking_the_server(server):
+    segment_fifo = f"/dev/shm/{SEGMENT_PREFIX}fifo-{secrets.token_hex(4)}.safetensors"
+    disk_dir = tempfile.mkdtemp(prefix=DIRECTORY_PREFIX)
+    disk_fifo = os.path.join(disk_dir, "model.safetensors")
+    fifos = [segment_fifo, disk_fifo]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+
+    async def update_while_checking_health(backend: str, info: dict):
+        headers = {"Authorization": f"Bearer {server.admin_token}"}
+        async with httpx.AsyncClient(base_url=server.base_url, headers=headers, timeout=10) as http:
+            await http.post(
+                "/init_weight_transfer_engine", json={"init_info": {"backend": backend}}
+            )
+            await http.post("/start_weight_update", json={})
+            update = asyncio.create_task(http.post("/update_weights", json={"update_info": info}))
+            health = [(await http.get("/health")).status_code for _ in range(3)]
+            return await update, health
+
+    try:
+        for backend, info in [
+            ("shm", {**SEGMENT_INFO, "path": segment_fifo}),
+            ("disk", {"path": disk_dir}),
+        ]:
+            update, health = asyncio.run(update_while_checking_health(backend, info))
+            assert health == [200, 200, 200]
+            assert update.status_code == 400 and "regular file" in update.text, update.text
+    finally:
+        for fifo in fifos:  # on a server that waits on a FIFO, a writer would release it
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            os.unlink(fifo)
+        shutil.rmtree(disk_dir)
+
+
+def test_integer_weights_are_refused_on_every_backend(server, tokenizer, model):
+    prompt = tokenizer.encode("Hello")
+    name, tensor = next((n, t) for n, t in model.state_dict().items() if t.dim() == 2)
+    state = {**model.state_dict(), name: torch.ones(tensor.shape, dtype=torch.int64)}
+
+    async def scenario():
+        async with EngineClient(server.base_url, admin_token=server.admin_token) as client:
+            version = await client.weight_version()
+            before = await client.complete(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+            for backend in ("shm", "disk", "http"):
+                transport = make_transport(backend, client)
+                try:
+                    with pytest.raises(EngineHTTPError) as info:
+                        await transport.publish(state.items(), version + 1)
+                finally:
+                    await transport.close()
+                assert info.value.status == 400, backend
+                assert f"dtype mismatch for '{name}': got int64" in info.value.message
+            after = await client.complete(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+            assert after.samples[0].token_ids == before.samples[0].token_ids
+            assert await client.weight_version() == version
 
     run(scenario())

@@ -1,5 +1,7 @@
-"""Checkpoints restore model, optimizer, scheduler, RNG and scalars exactly; writes are atomic."""
+"""Checkpoints restore model, optimizer, scheduler, RNG and scalars exactly; writes are atomic;
+each one carries the run's accounting, which `accounting.json` mirrors."""
 
+import json
 import random
 
 import numpy as np
@@ -7,6 +9,7 @@ import torch
 
 from asyncgrpo.testing import build_tiny_llama
 from asyncgrpo.trainer.checkpoint import (
+    Checkpointer,
     TrainingState,
     copy_weights,
     latest_checkpoint,
@@ -83,3 +86,43 @@ def test_weight_snapshot_in_the_engine_dtype_is_a_detached_rounded_copy(tmp_path
         assert tensor.dtype == torch.bfloat16
         # round-to-nearest of the weights at copy time, not of the weights trained since
         assert torch.equal(tensor, before[name].to(torch.bfloat16)), name
+
+
+class TinyTrainer:
+    """The checkpoint half of a `Trainer`, on the real save and load functions."""
+
+    def __init__(self):
+        self.model, self.optimizer, self.scheduler = make()
+        self.version = 0
+
+    def save_checkpoint(self, directory, state):
+        return save_checkpoint(directory, self.model, self.optimizer, self.scheduler, state)
+
+    def load_checkpoint(self, path):
+        state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.version = state.version
+        return state
+
+
+def test_each_checkpoint_carries_the_accounting_and_rewrites_accounting_json(tmp_path):
+    trainer = TinyTrainer()
+    checkpoints = Checkpointer(trainer, tmp_path, every=2, snapshot_every=None, snapshot_dtype=None)
+    asked = []
+
+    def progress():
+        asked.append(trainer.version)
+        return {"cursor": 4 * trainer.version}, {"consumed": 2 * trainer.version, "dropped": {}}
+
+    for step in (1, 2, 3):
+        trainer.version = step
+        checkpoints.maybe_save(step, progress, time_s=float(step))
+    checkpoints.close()
+    assert asked == [2]  # the progress (a round trip to the rollout loop) only when due
+    accounting = json.loads((tmp_path / "accounting.json").read_text())
+    assert accounting == {"consumed": 4, "dropped": {}}
+    assert not list(tmp_path.glob(".tmp-*")), "the temporary file was left behind"
+
+    resumed = TinyTrainer()
+    state = Checkpointer(resumed, tmp_path, 2, None, None).resume()
+    assert (state.step, resumed.version, state.data_position) == (2, 2, {"cursor": 8})
+    assert state.extra == {"time_s": 2.0, "accounting": accounting}

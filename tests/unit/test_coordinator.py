@@ -82,6 +82,25 @@ def test_drop_at_consume_counts_stale_groups():
     assert buf.staleness_seen == [1]
 
 
+def test_carry_over_continues_the_counts_and_the_admission_budget():
+    # a checkpoint at step 3 (3 batches of 2 consumed; 1 dropped; 2 then in flight)
+    before = {"admitted": 9, "consumed": 6, "queued": 0, "in_flight": 2, "dropped": {"x": 1}}
+    buf = RolloutBuffer(batch_groups=2, max_staleness=0)
+    buf.carry_over(before)
+    buf.set_engine_version(3)  # the resumed trainer's weights
+    # the groups in flight then are served again: not carried, so the totals close
+    snap = buf.snapshot()
+    assert (snap["admitted"], snap["consumed"], snap["dropped"]) == (7, 6, {"x": 1})
+    # one batch per version at staleness 0, as before the resume (a fresh buffer admits 8)
+    assert buf.wait_admit(0) and buf.wait_admit(0)
+    assert not buf.wait_admit(0.01)
+    snap = buf.snapshot()
+    assert (
+        snap["admitted"]
+        == snap["consumed"] + sum(snap["dropped"].values()) + snap["queued"] + snap["in_flight"]
+    )
+
+
 def test_get_batch_times_out_and_close_wakes_waiters():
     buf = RolloutBuffer(batch_groups=2, max_staleness=0)
     with pytest.raises(TimeoutError, match="no full batch"):

@@ -243,3 +243,145 @@ def test_lazy_zeros_are_zeros_of_the_asked_shape_and_writable(dtype):
     assert torch.equal(t, torch.zeros(3, 2, 5, 4, dtype=dtype))
     t[1, :, 2] = 7
     assert t.sum().item() == 7 * 2 * 4
+
+
+@pytest.fixture
+def unchecked(engine, monkeypatch):
+    """The engine with its request checks off: where a value that slips past them lands."""
+    monkeypatch.setattr(engine, "check_request", lambda prompt_ids, params: None)
+    return engine
+
+
+def test_poisoned_row_never_fails_the_rest_of_its_batch(unchecked):
+    """top_k = 2**63 used to overflow in sampling on the engine thread and fail every
+    request in the batch; now it is clamped where it enters the engine."""
+    engine = unchecked
+    prompt = prompt_ids(engine, "Hello, world! How are you")
+
+    async def scenario():
+        normal = asyncio.create_task(
+            collect(engine, prompt, max_tokens=40, temperature=1.0, seed=3, ignore_eos=True)
+        )
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.005)
+        poisoned = await collect(
+            engine, prompt, max_tokens=8, temperature=1.0, top_k=2**63, ignore_eos=True
+        )
+        return await normal, poisoned
+
+    normal, poisoned = run(scenario())
+    assert normal[0]["finish"] == "length" and len(normal[0]["ids"]) == 40
+    assert poisoned[0]["finish"] == "length" and len(poisoned[0]["ids"]) == 8
+
+
+def test_a_request_whose_sampling_raises_fails_alone(engine, monkeypatch):
+    """Whatever makes one request's rows raise mid-decode, in a batch shared with another
+    request, only that request gets the error; the other's output is unchanged."""
+    from asyncgrpo.engine import scheduler
+
+    real_sample = scheduler.sample
+    seen = {"poisoned": 0, "mixed_batch_failures": 0}
+
+    def sample_failing_after_first_token(logits, rows):
+        poisoned = [r.top_p == 0.123 for r in rows]
+        if any(poisoned):
+            seen["poisoned"] += 1
+            if seen["poisoned"] > 1:  # its first token (at prefill) is fine, then it raises
+                seen["mixed_batch_failures"] += not all(poisoned)
+                raise RuntimeError("poisoned row")
+        return real_sample(logits, rows)
+
+    monkeypatch.setattr(scheduler, "sample", sample_failing_after_first_token)
+    prompt = prompt_ids(engine, "What is 12 + 7?")
+    greedy = dict(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        normal = asyncio.create_task(collect(engine, prompt, **greedy))
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.005)
+        poisoned = collect(engine, prompt, max_tokens=8, top_p=0.123, n=2)
+        return await asyncio.gather(normal, poisoned, return_exceptions=True)
+
+    reference = run(collect(engine, prompt, **greedy))
+    normal, poisoned = run(scenario())
+    assert isinstance(poisoned, EngineError) and "poisoned row" in poisoned.message
+    assert poisoned.status == 400 and "top_p=0.123" in poisoned.message
+    assert seen["mixed_batch_failures"] >= 1  # it failed while batched with the normal one
+    assert normal == reference
+    assert engine.stats()["running"] == 0 and not engine.scheduler.live
+
+
+def test_seed_near_two_to_the_64_wraps_instead_of_overflowing(unchecked):
+    engine = unchecked
+    prompt = prompt_ids(engine, "Hello")
+    kw = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
+    wrapped = run(collect(engine, prompt, seed=2**64 - 1, n=2, **kw))
+    zero = run(collect(engine, prompt, seed=0, **kw))
+    assert wrapped[1]["ids"] == zero[0]["ids"]  # sample 1 seeds (2**64 - 1 + 1) % 2**64 = 0
+
+
+def test_tiny_temperature_samples_greedily(engine):
+    prompt = prompt_ids(engine, "What is 12 + 7?")
+    greedy = run(collect(engine, prompt, max_tokens=12, temperature=0, ignore_eos=True))[0]
+    tiny = run(collect(engine, prompt, max_tokens=12, temperature=1e-40, ignore_eos=True))[0]
+    assert tiny["ids"] == greedy["ids"] and tiny["lp"] == pytest.approx(greedy["lp"], abs=1e-5)
+
+
+def test_top_logprobs_with_top_p_are_valid_json(engine):
+    """Masked alternatives are -inf in the engine; the OpenAI layer reports -9999.0 (vLLM)."""
+    import json
+
+    from asyncgrpo.server import openai_format as fmt
+
+    prompt = prompt_ids(engine, "Hello, world!")
+
+    async def deltas():
+        params = SamplingParams(
+            max_tokens=6, temperature=0.1, top_p=0.5, top_logprobs=5, seed=1, ignore_eos=True
+        )
+        return [d async for d in engine.generate(prompt, params)]
+
+    got = run(deltas())
+    ids = [t for d in got for t in d.token_ids]
+    lps = [lp for d in got for lp in d.logprobs]
+    tops = [top for d in got for top in d.top_logprobs]
+    assert any(lp == float("-inf") for top in tops for _, lp in top)
+    token_text = fmt.TokenText(engine.tokenizer)
+    chat = fmt.chat_logprobs(token_text, ids, lps, tops)
+    completion = fmt.completion_logprobs(token_text, ids, lps, tops)
+    json.dumps([chat, completion], allow_nan=False)
+    alternatives = [a["logprob"] for c in chat["content"] for a in c["top_logprobs"]]
+    assert -9999.0 in alternatives and min(alternatives) == -9999.0
+    assert fmt.json_logprob(float("nan")) == fmt.json_logprob(float("-inf")) == -9999.0
+
+
+def test_many_stop_strings_still_stop_at_the_right_place(unchecked):
+    """The server allows a few stop strings; the engine stays correct (and cheap) with many."""
+    engine = unchecked
+    prompt = prompt_ids(engine, "Hello")
+    free = run(collect(engine, prompt, max_tokens=20, temperature=0, ignore_eos=True))[0]["ids"]
+    stop = engine.tokenizer.decode(free[:6])[-3:]
+    single = run(
+        collect(engine, prompt, max_tokens=20, temperature=0, ignore_eos=True, stop=[stop])
+    )
+    noise = [f"never-{i}-{'x' * (i % 40)}" for i in range(10_000)]
+    stops = noise[:5000] + ["", stop, stop] + noise[5000:]
+    many = run(collect(engine, prompt, max_tokens=20, temperature=0, ignore_eos=True, stop=stops))
+    assert many[0]["finish"] == single[0]["finish"] == "stop"
+    assert many[0]["ids"] == single[0]["ids"]
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_harmless(unchecked):
+    engine = unchecked
+    prompt = prompt_ids(engine, "Hello")
+    out = run(
+        collect(
+            engine,
+            prompt,
+            max_tokens=5,
+            temperature=0,
+            ignore_eos=True,
+            stop_token_ids=[-1, 2**70, engine.vocab_size],
+        )
+    )[0]
+    assert out["finish"] == "length" and len(out["ids"]) == 5

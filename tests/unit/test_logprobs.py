@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from asyncgrpo.trainer import logprobs as logprobs_module
 from asyncgrpo.trainer.logprobs import (
     entropy_from_logits,
     lm_head_token_logprobs,
@@ -96,3 +97,104 @@ def test_fused_lm_head_under_bf16_autocast_is_close_to_fp32():
     assert head.weight.grad.dtype == torch.float32
     want_lp, _ = reference(head(hidden), targets, 1.0)
     torch.testing.assert_close(lp.double(), want_lp.detach(), atol=0.1, rtol=0.05)
+
+
+# ---- top_p < 1: log-probs of the truncated, renormalised distribution the engine samples --
+
+
+def identity_head(vocab: int) -> torch.nn.Linear:
+    """A head whose logits are its input rows exactly, to feed chosen logits to the fused path."""
+    head = torch.nn.Linear(vocab, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(vocab))
+    return head
+
+
+def test_top_p_logprobs_match_a_hand_computed_nucleus():
+    # softmax([2, 1, 0, -1]) = [0.644, 0.237, 0.087, 0.032]; mass before each token:
+    # [0, 0.644, 0.881, 0.968], so top_p=0.8 keeps tokens 0 and 1. A sampled token
+    # outside the trainer's nucleus (2) joins the support instead of getting -inf.
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 3)
+    targets = torch.tensor([0, 1, 2])
+    lp, ent = lm_head_token_logprobs(
+        logits, identity_head(4), targets, with_entropy=True, top_p=0.8
+    )
+    # support {0, 1}: log p = z - log(e^2 + e^1); support {0, 1, 2}: z - log(e^2 + e^1 + e^0)
+    torch.testing.assert_close(lp, torch.tensor([-0.3132617, -1.3132617, -2.4076060]))
+    torch.testing.assert_close(ent, torch.tensor([0.5822031, 0.5822031, 0.8323956]))
+
+
+def nucleus_reference(logits, targets, temperature, top_p):
+    """Plain loops: the engine's rule (keep while the mass before < top_p), plus the target;
+    log-probs and entropies (float64, differentiable) on that support."""
+    z = logits.double() / temperature  # (N, V)
+    picked, entropies = [], []
+    for row, target in zip(z, targets.tolist(), strict=True):
+        probs = torch.softmax(row.detach(), dim=-1).tolist()
+        order = sorted(range(len(probs)), key=lambda i: -probs[i])
+        support, mass = {target}, 0.0
+        for i in order:
+            if mass >= top_p:
+                break
+            support.add(i)
+            mass += probs[i]
+        keep = torch.tensor([i in support for i in range(len(probs))])
+        logp = torch.log_softmax(row.masked_fill(~keep, float("-inf")), dim=-1)
+        picked.append(logp[target])
+        entropies.append(-(logp.exp()[keep] * logp[keep]).sum())
+    return torch.stack(picked), torch.stack(entropies)
+
+
+# the nucleus found in the top-k search alone, or (for rows where k is too few) by a sort
+@pytest.mark.parametrize("first_k", [4, 40, 1024])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 0.9), (0.7, 0.5), (1.3, 0.95)])
+def test_top_p_fused_head_matches_plain_loop_values_and_gradients(
+    temperature, top_p, first_k, monkeypatch
+):
+    monkeypatch.setattr(logprobs_module, "NUCLEUS_FIRST_K", first_k)
+    torch.manual_seed(5)
+    head = torch.nn.Linear(16, 200, bias=False)
+    with torch.no_grad():
+        head.weight.mul_(3)
+    hidden = torch.randn(33, 16, requires_grad=True)
+    targets = torch.randint(0, 200, (33,))  # many lie outside the nucleus: the support grows
+    w_lp, w_ent = torch.randn(33), torch.randn(33)
+
+    lp, ent = lm_head_token_logprobs(
+        hidden, head, targets, temperature, with_entropy=True, chunk_rows=5, top_p=top_p
+    )
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    got = [hidden.grad.clone(), head.weight.grad.clone()]
+    hidden.grad = None
+    head.zero_grad()
+
+    want_lp, want_ent = nucleus_reference(head(hidden), targets, temperature, top_p)
+    ((want_lp * w_lp).sum() + (want_ent * w_ent).sum()).backward()
+    torch.testing.assert_close(lp.double(), want_lp.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), want_ent.detach(), atol=1e-5, rtol=1e-5)
+    for g, w in zip(got, [hidden.grad, head.weight.grad], strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    full_lp, _ = reference(head(hidden), targets, temperature)
+    assert (lp.double() - full_lp.detach()).min() > 1e-3, "truncation did not renormalise"
+
+
+@pytest.mark.parametrize("first_k", [64, 1024])
+def test_top_p_logprobs_equal_the_engine_samplers_processed_logprobs(first_k, monkeypatch):
+    from asyncgrpo.engine.sampling import RowParams, sample
+
+    monkeypatch.setattr(logprobs_module, "NUCLEUS_FIRST_K", first_k)
+    torch.manual_seed(6)
+    logits = torch.randn(40, 300) * 3
+    temperature, top_p = 0.7, 0.9
+    generator = torch.Generator().manual_seed(0)
+    rows = [RowParams(temperature, top_p, 0, generator, 0) for _ in range(40)]
+    drawn = sample(logits, rows)
+    tokens = torch.tensor(drawn.tokens)
+    engine = torch.tensor(drawn.logprobs)
+
+    head = identity_head(300)
+    truncated, _ = lm_head_token_logprobs(logits, head, tokens, temperature, top_p=top_p)
+    torch.testing.assert_close(truncated, engine, atol=1e-5, rtol=1e-5)
+    # the full-vocabulary log-probs the trainer used before differ by the kept mass
+    full, _ = lm_head_token_logprobs(logits, head, tokens, temperature)
+    assert (truncated - full).min() > 1e-3

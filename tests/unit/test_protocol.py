@@ -1,9 +1,16 @@
-"""Request parsing: chat rendering with tools, content parts, prompts, refused settings."""
+"""Request parsing and checks: chat rendering with tools, content parts, prompts, refused
+settings and values, the bounds that keep one request from hurting the others."""
 
 import pytest
 
-from asyncgrpo.engine.types import EngineError
-from asyncgrpo.server.protocol import ChatCompletionRequest, CompletionRequest, render_chat
+from asyncgrpo.engine.types import EngineError, SamplingParams
+from asyncgrpo.server.prompts import (
+    check_text_fits,
+    longest_token_chars,
+    render_chat,
+    tokenize_prompts,
+)
+from asyncgrpo.server.protocol import ChatCompletionRequest, CompletionRequest, RequestLimits
 from asyncgrpo.testing import build_tiny_tokenizer
 
 TOOL_TEMPLATE = (
@@ -46,8 +53,7 @@ def test_tools_content_parts_and_tool_arguments_reach_the_template(tokenizer):
             "tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}],
         }
     )
-    ids = render_chat(tokenizer, request)
-    text = tokenizer.decode(ids)
+    text = render_chat(tokenizer, request)
     assert text == "<tools>calc;</tools><user>add\nit<assistant>[calc:3]<tool>3<assistant>"
 
 
@@ -93,3 +99,109 @@ def test_prompt_forms_and_sampling_settings():
     for bad in ({"echo": True}, {"logit_bias": {"1": 2.0}}, {"frequency_penalty": 0.5}):
         with pytest.raises(EngineError):
             CompletionRequest(prompt="x", **bad).sampling_params(4, 0)
+
+
+LIMITS = RequestLimits(max_model_len=64, vocab_size=512, max_num_seqs=8, max_request_sequences=16)
+
+
+def refusal(request, limits=LIMITS, prompts=1) -> EngineError:
+    with pytest.raises(EngineError) as info:
+        request.check(limits, prompts)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_zero_max_tokens_is_refused_not_read_as_missing():
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=0)
+    assert refusal(chat).param == "max_tokens"
+    chat = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}], max_completion_tokens=0, max_tokens=9
+    )
+    assert refusal(chat).param == "max_completion_tokens"
+    assert refusal(CompletionRequest(prompt="x", max_tokens=0)).param == "max_tokens"
+
+
+def test_sampling_values_are_range_checked_and_tiny_temperatures_allowed():
+    for field, value in [
+        ("temperature", float("nan")),
+        ("temperature", float("-inf")),
+        ("top_p", float("nan")),
+        ("top_k", 2**63),
+        ("seed", 2**63),
+        ("n", 0),
+    ]:
+        error = refusal(CompletionRequest(prompt="x", **{field: value}))
+        assert error.param == field and field in error.message
+    CompletionRequest(prompt="x", temperature=1e-40, seed=2**63 - 1, top_k=-1).check(LIMITS)
+    SamplingParams(temperature=1e-40).validate()
+
+
+def test_sequences_per_request_are_bounded_before_anything_is_built():
+    assert "max_num_seqs=8" in refusal(CompletionRequest(prompt="x", n=9)).message
+    error = refusal(CompletionRequest(prompt=["a", "b", "c"], n=8), prompts=3)
+    assert "24 sequences" in error.message and "max_request_sequences=16" in error.message
+    CompletionRequest(prompt=["a", "b"], n=8).check(LIMITS, prompts=2)
+
+
+def test_stop_lists_are_bounded_and_must_be_text():
+    assert "at most 16" in refusal(CompletionRequest(prompt="x", stop=["a"] * 17)).message
+    assert refusal(CompletionRequest(prompt="x", stop="s" * 257)).param == "stop"
+    assert refusal(CompletionRequest(prompt="x", stop=["\ud800"])).param == "stop"
+    assert refusal(CompletionRequest(prompt="x", stop_token_ids=[512])).param == "stop_token_ids"
+    assert refusal(CompletionRequest(prompt="x", stop_token_ids=[0] * 65)).param == (
+        "stop_token_ids"
+    )
+
+
+def test_client_templates_are_refused_and_template_kwargs_bounded():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for kwargs in (
+        {"chat_template": "{{ 1 }}"},
+        {"tokenize": True},
+        {"nested": {"a": 1}},
+        {"long": "x" * 2000},
+        {f"k{i}": 1 for i in range(17)},
+    ):
+        request = ChatCompletionRequest(**chat, chat_template_kwargs=kwargs)
+        assert refusal(request).param == "chat_template_kwargs"
+    top_level = ChatCompletionRequest(**chat, chat_template="{{ 1 }}")
+    assert refusal(top_level).param == "chat_template"
+    ChatCompletionRequest(**chat, chat_template_kwargs={"enable_thinking": False}).check(LIMITS)
+
+
+def test_size_bound_never_refuses_a_text_that_fits(tokenizer):
+    """len(text) / longest token string is a lower bound on the token count."""
+    longest = longest_token_chars(tokenizer)
+    texts = [
+        "Hello, world! How are you",
+        "ünïcödé ✓ 漢字 🙂" * 5,
+        "<|im_start|>user\nhi<|im_end|>" * 3,
+        " " * 40 + "x" * 40,
+    ]
+    for text in texts:
+        assert len(tokenizer(text)["input_ids"]) >= len(text) / longest
+    with pytest.raises(EngineError, match="max_model_len is 64") as info:
+        check_text_fits(tokenizer, 64 * longest + 1, "prompt", 64)
+    assert info.value.param == "prompt"
+    check_text_fits(tokenizer, 63 * longest, "prompt", 64)
+
+
+def test_prompts_are_size_checked_before_tokenizing(tokenizer):
+    calls = []
+
+    class CountingTokenizer:
+        def get_vocab(self):
+            return tokenizer.get_vocab()
+
+        def __call__(self, text, add_special_tokens):
+            calls.append(text)
+            return tokenizer(text, add_special_tokens=add_special_tokens)
+
+    counting = CountingTokenizer()
+    too_long = "x" * (64 * longest_token_chars(tokenizer) + 1)
+    with pytest.raises(EngineError, match="max_model_len is 64"):
+        tokenize_prompts(counting, [too_long], True, LIMITS)
+    with pytest.raises(EngineError, match="surrogate"):
+        tokenize_prompts(counting, ["a\udfffb"], True, LIMITS)
+    assert calls == []
+    assert tokenize_prompts(counting, ["hi", [3, 4]], False, LIMITS)[1] == [3, 4]

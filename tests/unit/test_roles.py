@@ -10,8 +10,13 @@
   reason, reward failure under both policies, zero variance filtered or kept, an
   unexpected error, cancelled at shutdown): the quota and the prompt are released.
 - `SingleTurnBuilder` resuming completions aborted by a weight sync from their own
-  tokens, against a fake engine client.
+  tokens, against a fake engine client; a group whose rewards are all NaN dropped as
+  `no_reward`.
 - `is_zero_variance` deciding single-turn and episode groups alike.
+- Faults around the loop: `accounting.json` written with every checkpoint and its
+  counts carried across a crash and resume (the admission budget too); the watchdog
+  naming what a stalled run waits for (a stuck reward call, an engine that does not
+  answer) and the abort that follows.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -35,13 +41,14 @@ from asyncgrpo.metrics.tracker import MetricsTracker, read_metrics
 from asyncgrpo.rollout.builder import GroupBuilder, GroupDropped, is_zero_variance
 from asyncgrpo.rollout.orchestrator import Orchestrator
 from asyncgrpo.rollout.prompts import PromptStream
-from asyncgrpo.rollout.rewards import RewardFailure
+from asyncgrpo.rollout.rewards import RewardFailure, RewardRunner, RewardTimeout
 from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.run import run_to_end
-from asyncgrpo.run_context import RunContext
+from asyncgrpo.run_context import RunAborted, RunContext
 from asyncgrpo.trainer.base import Trainer
 from asyncgrpo.trainer.checkpoint import Checkpointer, TrainingState, latest_checkpoint
+from asyncgrpo.watchdog import Watchdog
 from asyncgrpo.wiring import assemble_run
 
 # ---- fakes -----------------------------------------------------------------------------
@@ -196,12 +203,15 @@ def run_config(tmp_path: Path, **coordinator: Any) -> RunConfig:
     )
 
 
-def assemble(cfg: RunConfig, rows: list[dict]) -> RunContext:
-    """A `RunContext` of fake roles and real plumbing, wired by `wiring.assemble_run`."""
+def assemble(cfg: RunConfig, rows: list[dict], resume: bool = False, **kw: Any) -> RunContext:
+    """A `RunContext` of fake roles and real plumbing, wired by `wiring.assemble_run`;
+    `engine=` another fake engine, `builder=` a factory of the builder from the engine,
+    `rewards=` a `RewardRunner`."""
     run_dir = Path(cfg.output_dir) / cfg.name
-    engine, trainer = FakeEngine(), FakeTrainer()
-    tracker = MetricsTracker(run_dir, overwrite=True)
-    return assemble_run(cfg, run_dir, engine, trainer, FakeBuilder(engine), tracker, rows, None)
+    engine, trainer = kw.pop("engine", None) or FakeEngine(), FakeTrainer()
+    builder = kw.pop("builder", FakeBuilder)(engine)
+    tracker = MetricsTracker(run_dir, overwrite=not resume)
+    return assemble_run(cfg, run_dir, engine, trainer, builder, tracker, rows, None, **kw)
 
 
 def train_like_run_train(r: RunContext) -> None:
@@ -386,6 +396,22 @@ def test_reward_failure_under_drop_policy_only_drops_the_group():
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("policy", ["drop_group", "abort"])
+def test_reward_timeout_is_counted_under_its_own_reason(policy):
+    timeout = RewardTimeout("reward function 'judge' did not return within 60 s")
+
+    async def build(group_id, position, row):
+        raise timeout
+
+    async def scenario():
+        orch = make_orchestrator(build, on_reward_error=policy)
+        position = await produce_one(orch)
+        assert_dropped(orch, position, "reward_timeout")
+        assert (orch.fatal is timeout) == (policy == "abort") == orch.stopping
+
+    asyncio.run(scenario())
+
+
 def test_unexpected_builder_error_is_counted_as_generation_error():
     async def build(group_id, position, row):
         raise ConnectionError("engine went away")
@@ -539,6 +565,36 @@ def test_single_turn_resumes_aborted_samples_from_their_own_tokens():
     ]
 
 
+class AnsweringClient:
+    """Every call: `n` finished samples of two tokens."""
+
+    async def complete(self, prompt_ids, *, n=1, max_tokens=16, **sampling) -> Completion:
+        return Completion([Sample([5, 6], [-0.1, -0.2], [0, 0], "stop")] * n, list(prompt_ids))
+
+
+def nan_reward(prompts, completions, **kw):
+    return [float("nan")] * len(completions)
+
+
+def test_a_group_without_any_reward_is_dropped_as_no_reward_not_zero_variance(caplog):
+    rewards = RewardRunner([nan_reward])
+    sampling = SamplingSettings(n=3, max_tokens=4, temperature=1.0)
+    builder = SingleTurnBuilder(
+        AnsweringClient(), FakeTokenizer(), rewards, sampling, AdvantageConfig()
+    )
+
+    async def scenario():
+        buffer = RolloutBuffer(batch_groups=1, max_staleness=0)
+        prompts = PromptStream([{"prompt": "a"}, {"prompt": "b"}], seed=0)
+        orch = Orchestrator(builder, buffer, prompts, filter_zero_variance=True)
+        assert_dropped(orch, await produce_one(orch), "no_reward")
+
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.orchestrator"):
+        asyncio.run(scenario())
+    assert "None or NaN for 3 of 3 completions" in caplog.text
+    assert "None/NaN for all: nan_reward" in caplog.text
+
+
 # ---- zero variance, one rule for both builders -----------------------------------------
 
 
@@ -575,3 +631,120 @@ def episode_rollouts(rewards: list[float]) -> list[Rollout]:
 )
 def test_zero_variance_is_equal_rewards_for_single_turn_and_episodes(rollouts, expected):
     assert is_zero_variance(rollouts, AdvantageConfig()) is expected
+
+
+# ---- faults around the loop: accounting across a crash, the watchdog -------------------
+
+
+class Crash(Exception):
+    """Stands for the process dying in the middle of a step."""
+
+
+def test_accounting_is_written_with_each_checkpoint_and_continues_after_a_resume(tmp_path):
+    cfg = run_config(tmp_path, max_ahead_batches=None)  # the staleness budget alone admits
+    rows = [{"prompt": f"p{i}"} for i in range(7)]
+    first = assemble(cfg, rows)
+    at_crash = []
+    step = first.trainer.step
+
+    def crash_in_step_3(groups):
+        if first.trainer.version == 2:  # checkpoint_steps 2: step 2 was checkpointed
+            at_crash.append(json.loads((first.run_dir / "accounting.json").read_text()))
+            raise Crash
+        return step(groups)
+
+    first.trainer.step = crash_in_step_3
+    with pytest.raises(Crash):
+        train_like_run_train(first)
+    # the file existed before the crash, as of the checkpoint (it was written at exit only)
+    assert [a["consumed"] for a in at_crash] == [4]
+
+    cfg = cfg.model_copy(update={"max_steps": 6})
+    second = assemble(cfg, rows, resume=True)
+    run_to_end(second, threading.Event(), resume=True)
+    trained = [g for _, groups in second.trainer.steps for g in groups]
+    assert [v for v, _ in second.trainer.steps] == [2, 3, 4, 5]
+
+    acc = json.loads((second.run_dir / "accounting.json").read_text())
+    batch = cfg.coordinator.batch_groups
+    assert acc["consumed"] == 2 * batch + len(trained) == 6 * batch  # both sessions
+    assert acc["admitted"] == (
+        acc["consumed"] + sum(acc["dropped"].values()) + acc["queued"] + acc["in_flight"]
+    )
+    # the admission budget continued from the trained total: nothing was admitted too early
+    assert acc["dropped"].get("stale", 0) == 0
+    for version, groups in second.trainer.steps:
+        assert all(version - g.min_version <= cfg.coordinator.max_staleness for g in groups)
+
+
+class StalledEngine(FakeEngine):
+    async def healthy(self) -> bool:
+        return False
+
+
+def stuck_reward(release: threading.Event):
+    def blocked_reward(prompts, completions, **kw):
+        release.wait(60)
+        return [0.0] * len(completions)
+
+    return blocked_reward
+
+
+@pytest.mark.parametrize("stall", ["reward", "engine"])
+def test_watchdog_names_what_a_stalled_run_waits_for(tmp_path, caplog, stall):
+    release = threading.Event()
+    rewards = RewardRunner([stuck_reward(release)], timeout_s=60)
+
+    class Builder(FakeBuilder):
+        async def build(self, group_id, position, row):
+            group = await super().build(group_id, position, row)
+            if stall == "engine":
+                await asyncio.Event().wait()  # generation never answers
+            texts = [r.text for r in group.rollouts]
+            await rewards.score_group(row, texts, [r.completion_ids for r in group.rollouts])
+            return group
+
+    cfg = run_config(tmp_path, watchdog_s=0.5)
+    cfg.rollout.request_timeout_s = 4
+    engine = StalledEngine() if stall == "engine" else FakeEngine()
+    r = assemble(cfg, [{"prompt": "p"}], engine=engine, builder=Builder, rewards=rewards)
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.watchdog"):
+        try:
+            with pytest.raises(RunAborted) as aborted:
+                train_like_run_train(r)
+        finally:
+            release.set()
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "asyncgrpo.watchdog"]
+    assert len(lines) >= 2, "the watchdog did not repeat while the run stalled"
+    assert all(line.startswith("nothing has progressed for") for line in lines)
+    assert "trainer: waiting for a batch" in lines[-1]
+    assert "building 2 groups, the oldest for" in lines[-1]
+    if stall == "reward":
+        assert "reward calls: 'blocked_reward'" in lines[-1]
+        assert "engine: healthy" in lines[-1]
+    else:
+        assert "engine: not answering its health check" in lines[-1]
+        assert "reward calls: none" in lines[-1]
+    message = str(aborted.value)
+    assert message.startswith("no batch within 4 s (rollout.request_timeout_s)")
+    assert ("'blocked_reward'" in message) == (stall == "reward")
+
+
+def test_watchdog_reports_once_per_period_while_stalled_and_rearms_on_progress():
+    now, mark, reports = [0.0], ["a"], []
+
+    def report() -> str:
+        reports.append(now[0])
+        return "waiting"
+
+    dog = Watchdog(10.0, lambda: mark[0], report, clock=lambda: now[0])
+    for t in (0.0, 5.0, 9.9, 10.0, 15.0, 20.0, 21.0):
+        now[0] = t
+        dog.check()
+    assert reports == [10.0, 20.0]
+    mark[0] = "b"  # progress
+    for t in (25.0, 34.0, 35.0):
+        now[0] = t
+        line = dog.check()
+    assert reports == [10.0, 20.0, 35.0]
+    assert line == "nothing has progressed for 10 s | waiting"

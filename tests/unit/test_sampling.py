@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from asyncgrpo.engine.sampling import RowParams, sample
@@ -90,3 +91,47 @@ def test_logits_are_not_modified():
     before = logits.clone()
     sample(logits, [RowParams(0.7, 0.9, 50, None, 3)] * 2 + [RowParams(0.0, 1.0, 0, None, 0)] * 2)
     assert torch.equal(logits, before)
+
+
+def test_tiny_temperature_is_greedy_with_finite_logprobs():
+    """logits / 1e-40 overflows float32 (inf - inf = NaN): such rows must sample greedily."""
+    logits = torch.randn(4, 600) * 5
+    for temperature in (1e-40, 1e-30, 1e-6):
+        out = sample(logits, [RowParams(temperature, 1.0, 0, None, 3)] * 4)
+        plain = torch.log_softmax(logits, dim=-1)
+        assert out.tokens == logits.argmax(dim=-1).tolist()
+        for i, (token, lp) in enumerate(zip(out.tokens, out.logprobs)):
+            assert abs(lp - plain[i, token].item()) < 1e-5  # greedy: plain log-softmax
+            assert all(math.isfinite(alp) for _, alp in out.top_logprobs[i])
+
+
+def test_masked_alternatives_are_minus_inf_never_nan():
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0, -2.0]])
+    out = sample(logits, [RowParams(1.0, 0.5, 0, None, 4)])
+    values = [lp for _, lp in out.top_logprobs[0]]
+    assert not any(math.isnan(v) for v in values)
+    assert values[0] > -1 and values[-1] == float("-inf")  # top_p keeps only the first two
+
+
+def test_row_params_are_sanitised_so_sampling_cannot_overflow():
+    """Out-of-range settings that reach the engine are clamped where they enter it."""
+    row = RowParams.sanitised(1.0, 1.0, 2**63, None, 2**40, vocab=50)
+    assert row.top_k == 0 and row.top_logprobs == 20
+    assert RowParams.sanitised(1.0, 1.0, 7, None, 10, vocab=5).top_logprobs == 5
+    assert RowParams.sanitised(1.0, 1.0, 7, None, 0, vocab=5).top_k == 0
+    assert RowParams.sanitised(0.7, 0.9, 3, None, 2, vocab=5) == RowParams(0.7, 0.9, 3, None, 2)
+    assert RowParams.sanitised(1.0, 1.0, -(2**70), None, 0, vocab=50).top_k == 0
+    assert RowParams.sanitised(1.0, float("nan"), 0, None, 0, vocab=50).top_p == 1.0
+    assert RowParams.sanitised(1.0, 7.0, 0, None, 0, vocab=50).top_p == 1.0
+    assert RowParams.sanitised(float("nan"), 1.0, 0, None, 0, vocab=50).temperature == 0.0
+    logits = torch.randn(2, 5)
+    out = sample(logits, [RowParams.sanitised(1.0, 1.0, 2**63, None, 2**40, vocab=5)] * 2)
+    assert len(out.top_logprobs[0]) == 5
+
+
+def test_non_finite_logits_raise_instead_of_reporting_nan():
+    """A row whose logits are NaN (a broken forward) must not become a NaN log-prob."""
+    logits = torch.randn(2, 10)
+    logits[1] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        sample(logits, [RowParams(1.0, 1.0, 0, None, 0)] * 2)

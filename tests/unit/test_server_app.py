@@ -1,6 +1,8 @@
 """The server application in-process over a fake engine: auth, limits, weight-update state, errors."""
 
 import struct
+import threading
+import time
 
 import pytest
 import torch
@@ -8,7 +10,9 @@ from fastapi.testclient import TestClient
 
 from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.engine import Engine
+from asyncgrpo.engine.types import TokenDelta
 from asyncgrpo.server import ServerSettings, create_app
+from asyncgrpo.testing import build_tiny_tokenizer
 from asyncgrpo.transport.layout import plan_layout, write_image
 
 
@@ -176,3 +180,54 @@ def test_http_backend_stages_bytes_and_applies_them_with_the_version(engine):
         assert bad.status_code == 400 and "header length" in bad.json()["error"]["message"]
     ((received, version),) = engine.updates
     assert version == 7 and torch.equal(received["w"], w) and torch.equal(received["b"], b)
+
+
+class TokenizingEngine(FakeEngine):
+    """The fake with a real tokenizer and a `generate` that answers one token per sample."""
+
+    max_model_len = 512
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+
+    async def generate(self, prompt_ids, params, request_id=None):
+        for index in range(params.n):
+            yield TokenDelta(index, [5], [-0.5], [0], finish_reason="length")
+
+
+def test_chat_templates_render_off_the_event_loop():
+    """While a template renders, /health answers: the render runs on a worker thread."""
+    tokenizer = build_tiny_tokenizer()
+    gate, seen = threading.Event(), {}
+    render = tokenizer.apply_chat_template
+
+    def slow_render(*args, **kwargs):
+        seen["thread"] = threading.current_thread().name
+        seen["released"] = gate.wait(timeout=5)  # False if /health could not answer meanwhile
+        return render(*args, **kwargs)
+
+    tokenizer.apply_chat_template = slow_render
+    engine = TokenizingEngine(tokenizer)
+    with make_client(engine) as client:
+        answers = {}
+        chat = threading.Thread(
+            target=lambda: answers.setdefault(
+                "chat",
+                client.post(
+                    "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+                ),
+            )
+        )
+        chat.start()
+        deadline = time.monotonic() + 10
+        while "thread" not in seen:
+            assert time.monotonic() < deadline, "the template was never rendered"
+            time.sleep(0.01)
+        assert client.get("/health").status_code == 200
+        gate.set()
+        chat.join(10)
+    assert seen["released"] and seen["thread"].startswith("asyncgrpo-prompts")
+    assert answers["chat"].status_code == 200

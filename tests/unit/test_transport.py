@@ -1,4 +1,5 @@
-"""Weight layout and transports without an engine: byte-exact round trips, validation, clean-up."""
+"""Weight layout and transports without an engine: byte-exact round trips, validation, clean-up,
+and the receiver's rule for where disk weights may be read from."""
 
 import asyncio
 import os
@@ -7,7 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
+from asyncgrpo.engine.types import EngineError
+from asyncgrpo.server.weights import WeightReceiver
 from asyncgrpo.transport import make_transport
+from asyncgrpo.transport.disk import WEIGHTS_FILE, write_safetensors_file
 from asyncgrpo.transport.http import split_by_size
 from asyncgrpo.transport.layout import (
     LayoutError,
@@ -173,3 +177,57 @@ def test_prepare_talks_to_no_engine_and_the_publish_after_it_is_exact(kind, tmp_
         assert torch.equal(client.received[name], t), name
     if kind == "shm":  # the publish writes into the segment `prepare` allocated
         assert len(prepared) == 1 and segments == prepared
+
+
+class RecordingEngine:
+    """Stands in for Engine behind a WeightReceiver: keeps what a finished update delivers."""
+
+    weight_version = 0
+
+    def __init__(self):
+        self.received = {}
+
+    async def update_weights(self, staged, version):
+        self.received = {name: t.clone() for name, t in staged}
+
+
+def test_receiver_reads_disk_weights_only_under_weights_dir(tmp_path):
+    root, outside = tmp_path / "weights", tmp_path / "outside"
+    tensors = mixed_tensors()
+    layout = plan_layout(tensors)
+    for directory in (root / "run-1", outside):
+        directory.mkdir(parents=True)
+        write_safetensors_file(directory / WEIGHTS_FILE, layout, tensors)
+    (root / "link.safetensors").symlink_to(outside / WEIGHTS_FILE)
+    os.mkfifo(root / "fifo.safetensors")
+    engine = RecordingEngine()
+    receiver = WeightReceiver(engine, weights_dir=str(root))
+    receiver.init({"backend": "disk"})
+
+    async def scenario():
+        receiver.start()
+        assert await receiver.add_description({"path": str(root / "run-1")}) == len(tensors)
+        await receiver.finish(1)
+        receiver.start()
+        messages = set()
+        for path in [
+            outside,
+            outside / WEIGHTS_FILE,
+            tmp_path / "missing",
+            root / "link.safetensors",
+            root / "fifo.safetensors",
+            root / "missing",
+            root / ".." / "outside",
+        ]:
+            with pytest.raises(EngineError) as refused:
+                await receiver.add_description({"path": str(path)})
+            messages.add(refused.value.message.replace(repr(str(path)), "<path>"))
+        return messages
+
+    messages = asyncio.run(scenario())
+    for name, t in tensors:
+        assert torch.equal(engine.received[name], t), name
+    assert messages == {
+        f"cannot read weights at <path>: update_info.path must be an existing regular file "
+        f"under {os.path.realpath(root)} (engine.weights_dir)"
+    }

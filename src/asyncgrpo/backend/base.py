@@ -4,22 +4,43 @@ Everything the trainer process does to an engine goes through this boundary, so
 a vLLM server, several replicas or a Ray actor are new implementations, not
 new branches in the training loop. Methods are coroutines on the rollout loop
 (`loop_thread.py`), except `launch`, which only starts a process.
+
+A weight sync has a deadline, `engine.sync_timeout_s` (peers that stall
+without dying hang syncs forever in other frameworks: TRL #6796, NeMo-RL
+#2694). While a sync is slow, `publish` says so every 10 s (4 times per
+deadline when that is shorter), naming the step it waits in; at the deadline
+it raises `SyncTimeout`, and the backend restarts the engine or gives up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from asyncgrpo.client import EngineClient
 
+logger = logging.getLogger(__name__)
+
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+SYNC_POLL_S = 0.5  # how often a sync in progress checks that its engine is still alive
 
 
 class EngineDied(RuntimeError):
     """The engine died and could not be brought back (restarts exhausted or impossible)."""
+
+
+class SyncTimeout(RuntimeError):
+    """A weight sync missed `engine.sync_timeout_s` (the engine stalled without dying)."""
+
+
+class EngineGone(RuntimeError):
+    """The engine process died during a weight sync."""
 
 
 class EngineBackend(Protocol):
@@ -68,8 +89,54 @@ class EngineBackend(Protocol):
         ...
 
 
-async def publish(client: EngineClient, transport, weights: NamedTensors, version: int, mode: str):
-    """The four-step sync on one engine: pause, send, finish with `version`, resume."""
-    await client.pause(mode)
-    await transport.publish(weights, version)
-    await client.resume()
+async def publish(
+    client: EngineClient,
+    transport,
+    weights: NamedTensors,
+    version: int,
+    mode: str,
+    *,
+    timeout_s: float,
+    gone: Callable[[], bool] = lambda: False,
+) -> None:
+    """The sync on one engine (pause, send and finish with `version`, resume) within
+    `timeout_s`: `SyncTimeout` after it, `EngineGone` as soon as `gone()` is true."""
+    step = ["pausing the engine"]  # where the sync is, for the messages
+
+    async def steps() -> None:
+        await client.pause(mode)
+        step[0] = "sending the weights"
+        await transport.publish(weights, version)
+        step[0] = "resuming the engine"
+        await client.resume()
+
+    task = asyncio.ensure_future(steps())
+    start = time.monotonic()
+    log_every = min(10.0, timeout_s / 4)
+    next_log = start + log_every
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=SYNC_POLL_S)
+            now = time.monotonic()
+            if task.done():
+                break
+            if gone():
+                raise EngineGone(f"the engine died during weight sync ({step[0]})")
+            if now - start >= timeout_s:
+                raise SyncTimeout(
+                    f"weight sync of version {version} to the engine did not finish within "
+                    f"{timeout_s:g} s (engine.sync_timeout_s); it was {step[0]}"
+                )
+            if now >= next_log:
+                next_log += log_every
+                logger.warning(
+                    "weight sync to the engine has taken %.0f s (deadline %g s); %s",
+                    now - start,
+                    timeout_s,
+                    step[0],
+                )
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    task.result()  # raises what the sync raised

@@ -4,7 +4,9 @@ The process (`engine/process.py`) gets the engine section of the recipe as its
 whole configuration. This backend adds what training needs around it: a client
 whose retries outlast a restart, the weight transport of `engine.weight_transport`,
 and supervision: an engine that dies is restarted on the same port, and a weight
-sync that it interrupts is repeated on the new process.
+sync that it interrupts is repeated on the new process. An engine that stalls
+without dying (a hung process, SIGSTOP) makes the sync miss
+`engine.sync_timeout_s`: it is killed, restarted and the sync repeated too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from asyncgrpo.backend.base import EngineDied, NamedTensors, publish
+from asyncgrpo.backend.base import EngineDied, EngineGone, NamedTensors, SyncTimeout, publish
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import RetryPolicy
 from asyncgrpo.config import EngineConfig
@@ -22,7 +24,7 @@ from asyncgrpo.transport import make_transport
 
 logger = logging.getLogger(__name__)
 
-SYNC_ATTEMPTS = 3  # a sync interrupted by a death this many times ends the run
+SYNC_ATTEMPTS = 3  # a sync interrupted by a death or a stall this many times ends the run
 
 
 class EmbeddedBackend:
@@ -36,7 +38,9 @@ class EmbeddedBackend:
         self.client = EngineClient(
             "http://127.0.0.1:0", admin_token=self.process.admin_token, retry=retry
         )
-        self.transport = make_transport(cfg.weight_transport, self.client)
+        self.transport = make_transport(
+            cfg.weight_transport, self.client, weights_dir=cfg.weights_dir
+        )
         self._restart_lock = asyncio.Lock()
 
     @property
@@ -74,17 +78,26 @@ class EmbeddedBackend:
     async def sync_weights(self, weights: NamedTensors, version: int, mode: str) -> None:
         for attempt in range(SYNC_ATTEMPTS):
             await self.revive()
-            task = asyncio.ensure_future(
-                publish(self.client, self.transport, weights, version, mode)
-            )
-            while not task.done():
-                await asyncio.wait([task], timeout=0.5)
-                if not task.done() and not self.process.alive():
-                    task.cancel()
-            if not task.cancelled():
-                return task.result()  # raises what the publish raised
-            logger.warning("engine died during weight sync (attempt %d)", attempt + 1)
-        raise EngineDied("the engine keeps dying during weight sync")
+            try:
+                return await publish(
+                    self.client,
+                    self.transport,
+                    weights,
+                    version,
+                    mode,
+                    timeout_s=self.cfg.sync_timeout_s,
+                    gone=lambda: not self.process.alive(),
+                )
+            except EngineGone as exc:
+                logger.warning("%s (attempt %d)", exc, attempt + 1)
+            except SyncTimeout as exc:
+                logger.error("%s: killing the engine process to restart it", exc)
+                await asyncio.to_thread(self.process.kill)  # SIGKILL works on a stopped one
+        raise EngineDied(
+            f"weight sync failed {SYNC_ATTEMPTS} times: the engine died or missed "
+            f"engine.sync_timeout_s ({self.cfg.sync_timeout_s:g} s) each time; see "
+            f"{self.process.log_path or 'its log'}"
+        )
 
     async def close(self) -> None:
         try:

@@ -1,15 +1,16 @@
 """`engine.type: external`: a server someone else runs (asyncgrpo or vLLM) at `base_url`.
 
 asyncgrpo neither starts nor restarts it: `revive` can only report that it is
-gone. Its admin token comes from the environment variable `admin_token_env`,
-never from the recipe, which is saved in the run directory.
+gone, and a weight sync that fails or misses `engine.sync_timeout_s` ends the
+run with `EngineDied`. Its admin token comes from the environment variable
+`admin_token_env`, never from the recipe, which is saved in the run directory.
 """
 
 from __future__ import annotations
 
 import os
 
-from asyncgrpo.backend.base import EngineDied, NamedTensors, publish
+from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, publish
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import RetryPolicy
 from asyncgrpo.config import EngineConfig
@@ -28,7 +29,9 @@ class ExternalBackend:
         retry = RetryPolicy(deadline=cfg.startup_timeout_s, max_attempts=1000, max_backoff=2.0)
         token = os.environ.get(cfg.admin_token_env)
         self.client = EngineClient(cfg.base_url, admin_token=token, retry=retry)
-        self.transport = make_transport(cfg.weight_transport, self.client)
+        self.transport = make_transport(
+            cfg.weight_transport, self.client, weights_dir=cfg.weights_dir
+        )
 
     @property
     def base_urls(self) -> list[str]:
@@ -48,7 +51,13 @@ class ExternalBackend:
 
     async def sync_weights(self, weights: NamedTensors, version: int, mode: str) -> None:
         try:
-            await publish(self.client, self.transport, weights, version, mode)
+            timeout_s = self.cfg.sync_timeout_s
+            await publish(self.client, self.transport, weights, version, mode, timeout_s=timeout_s)
+        except SyncTimeout as exc:
+            raise EngineDied(
+                f"{exc}: the engine at {self.client.base_url} is stalled; it is not ours to "
+                "restart (engine.type external)"
+            ) from exc
         except Exception as exc:
             raise EngineDied(f"weight sync to {self.client.base_url} failed: {exc}") from exc
 

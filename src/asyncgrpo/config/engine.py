@@ -70,11 +70,28 @@ class EngineConfig(Section):
     """Most sequences one request may ask for: prompts × `n` (400 beyond)."""
     sync_timeout_s: float = Field(300.0, gt=0)
     """Deadline of one weight sync (pause, transfer, load, resume); an engine that misses
-    it is treated as dead and restarted."""
+    it is treated as dead and restarted. With `coordinator.sync_mode: wait` the pause waits
+    for the requests in flight, so this must cover the longest generation."""
     max_body_mb: float = Field(16.0, gt=0)
     """Largest request body on every route but the weight upload (413 beyond)."""
     max_weight_body_mb: float = Field(4096.0, gt=0)
     """Largest body of POST /update_weights (the `http` transport sends weights in it)."""
+    max_connections: int = Field(1024, ge=1)
+    """Open HTTP connections at once (lowered at start if the open-file limit is too small).
+    Beyond it, the connection that has waited longest for a request (idle, keep-alive or a
+    slow header) is closed to make room; if every one has a request in flight, the new
+    connection is answered 503 and closed."""
+    keep_alive_timeout_s: float = Field(20.0, gt=0)
+    """An idle keep-alive connection is closed after this long. Longer than the 5 s after
+    which httpx clients (the trainer's) drop idle connections, so those close first."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A request header must be complete this long after the connection opens (or after its
+    first byte following a keep-alive wait); otherwise 408 and the connection is closed."""
+    weights_dir: str | None = None
+    """Directory the `disk` weight transport's files must lie under (symlinks resolved);
+    None: a directory named `asyncgrpo-weights-*` in the engine's temp directory, where the
+    trainer's disk transport writes by default. (`shm` segments must be
+    `/dev/shm/asyncgrpo-weights-*` files.)"""
 
     def resolved_dtype(self) -> str:
         """`dtype` resolved for this machine."""

@@ -23,8 +23,10 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature; the trainer divides its logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling cut-off (the trainer's log-probs then differ; the loss's behaviour
-    correction accounts for it)."""
+    """Nucleus sampling cut-off. The engine reports the log-probs of the truncated,
+    renormalised distribution it sampled from, and below 1 the trainer computes its own on
+    the same nucleus of its logits (`trainer/logprobs.py`), so the ratio does not mistake
+    the cut-off mass for a policy change. Agent rollouts must pass it to their chat calls."""
     max_concurrent_groups: int | None = Field(None, ge=1)
     """Groups generating at once; default: whatever the staleness budget admits."""
     filter_zero_variance: bool = True
@@ -32,7 +34,22 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(600.0, gt=0)
     """Deadline for one generation call, retries included."""
     reward_error_policy: Literal["drop_group", "abort"] = "drop_group"
-    """What a reward function raising does: drop that group (counted) or stop the run."""
+    """What a reward function raising (or missing its deadline) does: drop that group
+    (counted as `reward_error` / `reward_timeout`) or stop the run."""
+    reward_timeout_s: float = Field(60.0, gt=0)
+    """Deadline of one reward function's call on one group. A call past it fails the group
+    as `reward_timeout`, naming the function (see `reward_error_policy`). A call also waits
+    at most this long for a free worker."""
+    reward_workers: Literal["thread", "process"] = "thread"
+    """Where plain (not `async def`) reward functions run. `thread`: daemon threads of the
+    trainer process, the cheapest; a call stuck past its deadline cannot be stopped and
+    keeps its thread. `process`: worker processes; a call that hangs, crashes or runs out of
+    memory is killed with its worker, which is replaced. The functions must then be
+    importable by module (not lambdas, local functions or the main script's) and cannot
+    use process-local state of the trainer. `async def` functions always run on the
+    rollout loop and are cancelled at their deadline."""
+    reward_num_workers: int = Field(4, ge=1)
+    """Reward function calls that run at once (threads or worker processes)."""
 
 
 class AgentConfig(Section):
@@ -98,6 +115,11 @@ class CoordinatorConfig(Section):
     sync_mode: Literal["keep", "abort", "wait"] = "keep"
     """How a weight sync treats requests in flight: keep them (their later tokens carry the
     new version), abort and resume them from their tokens, or wait for them to finish."""
+    watchdog_s: float = Field(60.0, gt=0)
+    """When nothing has progressed for this long (no group admitted or finished, no
+    optimizer step, no weight sync), log what the run is waiting for: the trainer's
+    activity, the buffer, the groups being built and the oldest one's age, the engine's
+    health and the reward calls running; repeated every `watchdog_s` while it lasts."""
 
     @model_validator(mode="after")
     def _syncs_often_enough(self) -> CoordinatorConfig:

@@ -68,8 +68,9 @@ class AdvantageConfig(Section):
 
 
 class TrainerConfig(Section):
-    learning_rate: float = Field(1e-5, gt=0)
-    """Peak AdamW learning rate."""
+    learning_rate: float = Field(1e-5, ge=0)
+    """Peak AdamW learning rate. 0 freezes the weights while everything else runs: the
+    diagnostic for the engine-trainer mismatch, whose `mismatch_kl` must then stay flat."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup from 0 to the peak learning rate."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"

@@ -12,6 +12,10 @@ Accounting closes by construction — each admitted group ends in exactly one of
 
 The queue never overflows and never drops the oldest data silently: admission
 bounds `queued + in_flight` (see `staleness.py`).
+
+A resumed run starts from the counts its checkpoint saved (`carry_over`), so the
+totals cover the whole run and the admission budget, which is measured against
+`consumed`, continues where it was instead of admitting from zero again.
 """
 
 from __future__ import annotations
@@ -147,6 +151,15 @@ class RolloutBuffer:
             self._cond.notify_all()
 
     # ---- lifecycle and metrics -----------------------------------------------
+
+    def carry_over(self, counts: dict) -> None:
+        """Continue from a checkpoint's `snapshot()`: the groups finished before it stay
+        counted; those then queued or in flight are served again, so they are not carried."""
+        with self._cond:
+            self.consumed = int(counts.get("consumed", 0))
+            self.dropped = Counter(counts.get("dropped", {}))
+            self.admitted = self.consumed + sum(self.dropped.values())
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

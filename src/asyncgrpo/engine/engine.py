@@ -34,8 +34,9 @@ import torch
 
 from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.prefix_cache import PrefixCache
+from asyncgrpo.engine.request import Request
 from asyncgrpo.engine.runner import ModelRunner
-from asyncgrpo.engine.scheduler import STAGING_SLOTS, Request, Scheduler
+from asyncgrpo.engine.scheduler import STAGING_SLOTS, Scheduler
 from asyncgrpo.engine.types import EngineError, PauseMode, SamplingParams, TokenDelta
 
 logger = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class Engine(_EngineThread):
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.scheduler.live:
             raise EngineError(f"request id {rid!r} is already running", 409)
-        request = Request.create(rid, prompt_ids, params, self.max_model_len)
+        request = Request.create(rid, prompt_ids, params, self.max_model_len, self.vocab_size)
         self.scheduler.live[rid] = request
         return request
 
@@ -305,7 +306,9 @@ class Engine(_EngineThread):
             try:
                 self.scheduler.step(admit=self._paused is None)
             except Exception as exc:
-                logger.exception("engine step failed; failing the requests in it")
+                # sampling failures are isolated per request (scheduler.py): this is a
+                # forward pass or bookkeeping failure, with no one request to blame
+                logger.exception("engine step failed; failing every request in it")
                 self.scheduler.fail_all(exc)
             self.busy_seconds += time.perf_counter() - start
 
@@ -385,7 +388,13 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def _check_update(params: dict[str, torch.Tensor], staged: list[tuple[str, torch.Tensor]]):
-    """Raise before anything is copied if a tensor names no parameter or has the wrong shape."""
+    """Raise before anything is copied if a tensor names no parameter, or has the wrong shape
+    or dtype.
+
+    Any floating-point dtype may replace a floating-point parameter: it is rounded to the
+    engine's weight dtype on copy (fp32 master weights reach a bf16 engine so). Integer or
+    bool bytes are never taken for weights: a non-float parameter needs its exact dtype.
+    """
     for name, tensor in staged:
         target = params.get(name)
         if target is None:
@@ -394,4 +403,11 @@ def _check_update(params: dict[str, torch.Tensor], staged: list[tuple[str, torch
             raise EngineError(
                 f"shape mismatch for '{name}': got {tuple(tensor.shape)}, "
                 f"expected {tuple(target.shape)}"
+            )
+        floating = target.is_floating_point()
+        if tensor.dtype != target.dtype and not (floating and tensor.is_floating_point()):
+            got, held = (str(t.dtype).removeprefix("torch.") for t in (tensor, target))
+            raise EngineError(
+                f"dtype mismatch for '{name}': got {got}, expected "
+                f"{'a floating-point dtype' if floating else held} (the engine holds {held})"
             )

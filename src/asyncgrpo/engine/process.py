@@ -81,6 +81,11 @@ class EngineProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The running child's process id (its descriptors are in /proc/<pid>/fd)."""
+        return self._proc.pid if self.alive() else None
+
     def command(self) -> list[str]:
         return [
             sys.executable,

@@ -4,7 +4,8 @@ The trainer corrects for the gap between the policy that sampled a token and the
 current one, so the behaviour log-prob must describe the real sampling
 distribution: logits divided by the temperature, then restricted by top-k and
 top-p and renormalised (what vLLM calls `processed_logprobs`). Greedy rows
-(temperature 0) report the plain log-softmax of the logits, as vLLM does.
+(temperature 0) report the plain log-softmax of the logits, as vLLM does; so do
+rows below `GREEDY_BELOW`, as in vLLM (`_SAMPLING_EPS`).
 
 Sampling inverts each row's CDF with one uniform number per row, where the
 exponential-race trick needs one random number per vocabulary entry (≈8× slower on
@@ -14,13 +15,26 @@ are max, exp and the block sums, all in place in one working buffer (a full
 cumulative sum, an argmax and fresh softmax buffers cost ≈2.5× more per step).
 One uniform per row lets every row use its own seeded generator while the rest of
 the batch stays vectorised.
+
+One request's settings must never break the batch it shares: `RowParams.sanitised`
+clamps them where they enter the engine, and a row whose logits are not finite
+raises `NonFiniteLogits` rather than reporting NaN, so the scheduler can fail that
+request alone.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+# Below this temperature a row is sampled greedily. logits / t overflows float32 to
+# inf once t is tiny (1e-40 gave inf - inf = NaN and tokens past the vocabulary),
+# and long before that the draw is the argmax anyway: at t = 1e-5 a logit gap of
+# 1e-3 already leaves the runner-up less than e^-100 of the mass. vLLM uses 1e-5 too.
+GREEDY_BELOW = 1e-5
+MAX_TOP_LOGPROBS = 20  # the OpenAI limit on alternatives per token
 
 
 @dataclass
@@ -32,6 +46,34 @@ class RowParams:
     top_k: int
     generator: torch.Generator | None
     top_logprobs: int
+
+    @classmethod
+    def sanitised(
+        cls,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        generator: torch.Generator | None,
+        top_logprobs: int,
+        vocab: int,
+    ) -> RowParams:
+        """Settings no value can make `sample` raise on (the server refuses them first).
+
+        This is the engine's own guard, so a value that slips past the server changes
+        only its own row: a top-k outside (0, vocab) means no top-k (2**63 overflowed
+        the batch's int64 tensor), a top-p outside (0, 1] no nucleus, a non-finite or
+        negative temperature greedy, and at most min(20, vocab) alternatives.
+        """
+        if not (math.isfinite(temperature) and temperature > 0):
+            temperature = 0.0
+        top_k = top_k if 0 < top_k < vocab else 0
+        top_p = top_p if 0 < top_p <= 1 else 1.0  # NaN compares False: no nucleus
+        top_logprobs = max(0, min(top_logprobs, MAX_TOP_LOGPROBS, vocab))
+        return cls(temperature, top_p, top_k, generator, top_logprobs)
+
+
+class NonFiniteLogits(ValueError):
+    """Some rows' logits hold NaN or +inf: the forward pass, not the request, is at fault."""
 
 
 @dataclass
@@ -75,14 +117,17 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> SampleOutput:
     # One working buffer, padded to whole blocks; the padding gets zero probability.
     work = torch.empty(b, blocks * BLOCK)
     work[:, vocab:] = float("-inf")
-    temperatures = [r.temperature if r.temperature > 0 else 1.0 for r in rows]
+    # `not t >= GREEDY_BELOW` rather than `t < GREEDY_BELOW`: a NaN temperature is greedy
+    temperatures = [r.temperature if r.temperature >= GREEDY_BELOW else 1.0 for r in rows]
     if any(t != 1.0 for t in temperatures):
         torch.div(logits, torch.tensor(temperatures).unsqueeze(1), out=work[:, :vocab])
     else:
         work[:, :vocab] = logits
-    greedy = [i for i, r in enumerate(rows) if r.temperature == 0]
+    greedy = [i for i, r in enumerate(rows) if not r.temperature >= GREEDY_BELOW]
     filtered = [
-        i for i, r in enumerate(rows) if r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0)
+        i
+        for i, r in enumerate(rows)
+        if r.temperature >= GREEDY_BELOW and (r.top_k > 0 or r.top_p < 1.0)
     ]
     if filtered:
         idx = torch.tensor(filtered)
@@ -93,6 +138,7 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> SampleOutput:
     weights = work.sub_(work.amax(dim=-1, keepdim=True)).exp_()
     block_cdf = weights.view(b, blocks, BLOCK).sum(dim=-1).cumsum_(dim=-1)  # (B, blocks)
     total = block_cdf[:, -1:]
+    _require_finite(total)  # before any seeded generator is drawn from
     uniform = torch.rand(b, 1)
     for i, r in enumerate(rows):
         if r.generator is not None:
@@ -114,6 +160,18 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> SampleOutput:
                 n = r.top_logprobs
                 top[i] = list(zip(ids[i, :n].tolist(), values[i, :n].tolist(), strict=True))
     return SampleOutput(tokens.tolist(), chosen.tolist(), top)
+
+
+def _require_finite(total: torch.Tensor) -> None:
+    """Raise NonFiniteLogits unless every row's mass is finite. total: (B, 1).
+
+    A NaN or +inf logit, or a row of -inf, makes the row's mass NaN; with a finite
+    mass (at least 1: the largest entry is exp(0)) every reported log-prob is finite.
+    One check per step, not per row.
+    """
+    if not bool(torch.isfinite(total).all()):
+        rows = (~torch.isfinite(total)).nonzero()[:, 0].tolist()
+        raise NonFiniteLogits(f"non-finite logits (NaN or inf) in batch rows {rows}")
 
 
 def _invert_cdf(weights: torch.Tensor, block_cdf: torch.Tensor, target: torch.Tensor):

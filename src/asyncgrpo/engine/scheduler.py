@@ -12,67 +12,33 @@ running sample. Samples leave the batch the moment they finish, and the last one
 moves into the freed slot, so decode slots stay 0..B-1. The `n` samples of a request
 share its prefill and copy its keys and values. Every token is stamped with the weight
 version that sampled it, and deltas go back to each consumer's own asyncio loop.
+
+One request must never fail the others in its batch. Its sampling settings are
+sanitised once, when it is created (request.py), and if sampling a batch still
+raises, each request's rows are sampled alone: those that raise fail with an
+`EngineError`, the rest continue with the tokens of that second draw. A failing
+forward pass has no one culprit; the engine fails the whole batch then (engine.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.prefix_cache import BLOCK as PREFIX_BLOCK
 from asyncgrpo.engine.prefix_cache import PrefixCache
+from asyncgrpo.engine.request import Request, Sample
 from asyncgrpo.engine.runner import ModelRunner
-from asyncgrpo.engine.sampling import RowParams, sample
-from asyncgrpo.engine.types import SamplingParams, TokenDelta
+from asyncgrpo.engine.sampling import NonFiniteLogits, sample
+from asyncgrpo.engine.types import EngineError, TokenDelta
+
+logger = logging.getLogger(__name__)
 
 STAGING_SLOTS = 2  # extra cache slots for prompts whose prefill spans several steps
-
-
-@dataclass(eq=False)
-class Sample:
-    """One of a request's `n` completions; `slot` is its decode slot while it runs."""
-
-    request: Request
-    index: int
-    generator: torch.Generator | None
-    slot: int = -1
-    cache_len: int = 0  # positions already in the KV cache
-    tokens: list[int] = field(default_factory=list)
-    done: bool = False
-
-
-@dataclass(eq=False)
-class Request:
-    """A prompt, its samples, and the asyncio queue its deltas are delivered to."""
-
-    id: str
-    prompt: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    samples: list[Sample] = field(default_factory=list)
-    prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
-    staging_slot: int = -1
-    max_tokens: int = 0
-    weights_epoch: int = -1  # the weights its keys and values were computed with
-
-    @classmethod
-    def create(
-        cls, rid: str, prompt: list[int], params: SamplingParams, max_model_len: int
-    ) -> Request:
-        """A request of the running asyncio loop, with its `n` samples (seeded if asked)."""
-        request = cls(rid, list(prompt), params, asyncio.get_running_loop(), asyncio.Queue())
-        request.max_tokens = min(params.max_tokens, max_model_len - len(prompt))
-        for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator().manual_seed(params.seed + i)
-            request.samples.append(Sample(request, i, gen))
-        return request
 
 
 Row = tuple[Request, int, int, int]  # one prefill row: (request, slot, start, end)
@@ -226,9 +192,8 @@ class Scheduler:
             sample_.cache_len = length
             self.runner.copy_slot(source_slot, sample_.slot, length)
             self.running.append(sample_)
-        rows = request.samples
-        expanded = logits.unsqueeze(0).expand(len(rows), -1)  # (n, V)
-        self._record(rows, sample(expanded, [_row_params(s) for s in rows]), outbox)
+        expanded = logits.unsqueeze(0).expand(len(request.samples), -1)  # (n, V)
+        self._sample(list(request.samples), expanded, outbox)
 
     # ---- decode and sampling -------------------------------------------------
 
@@ -239,7 +204,36 @@ class Scheduler:
         logits = self.runner.decode(tokens, positions)  # (B, V)
         for s in running:
             s.cache_len += 1
-        self._record(list(running), sample(logits, [_row_params(s) for s in running]), outbox)
+        self._sample(list(running), logits, outbox)
+
+    def _sample(self, samples: list[Sample], logits: torch.Tensor, outbox: Outbox) -> None:
+        """Draw the next token of every sample (logits: (B, V), row j for samples[j])."""
+        try:
+            out = sample(logits, [s.row for s in samples])
+        except Exception:
+            logger.exception("sampling %d rows failed; sampling each request alone", len(samples))
+            self._sample_each_request(samples, logits, outbox)
+            return
+        self._record(samples, out, outbox)
+
+    def _sample_each_request(self, samples: list[Sample], logits, outbox: Outbox) -> None:
+        """Sample each request's rows alone; fail only the requests whose rows raise.
+
+        Sampling checks settings and logits before it draws from any seeded generator,
+        so the first, failed draw leaves the surviving requests' seeded streams intact.
+        """
+        rows_of: dict[Request, list[int]] = {}
+        for j, s in enumerate(samples):
+            rows_of.setdefault(s.request, []).append(j)
+        for request, rows in rows_of.items():
+            mine = [samples[j] for j in rows]
+            try:
+                out = sample(logits[rows], [s.row for s in mine])
+            except Exception as exc:
+                outbox.pop(request, None)
+                self.fail_request(request, _sampling_error(request, exc))
+                continue
+            self._record(mine, out, outbox)
 
     def _record(self, samples: list[Sample], out, outbox: Outbox) -> None:
         finished = []
@@ -289,6 +283,18 @@ class Scheduler:
 
     def finish_request(self, request: Request, reason: str) -> None:
         """End every unfinished sample of a request now (abort), sending a final delta."""
+        open_samples = self._drop(request)
+        deltas = [TokenDelta(s.index, [], [], [], None, reason) for s in open_samples]
+        if deltas:
+            _emit({request: deltas})
+
+    def fail_request(self, request: Request, exc: Exception) -> None:
+        """Raise `exc` in one request's consumer and drop it; the rest of the batch goes on."""
+        self._drop(request)
+        _raise_in_consumer(request, exc)
+
+    def _drop(self, request: Request) -> list[Sample]:
+        """Take a request out of every queue and the batch; its samples that were open."""
         if request in self.waiting:
             self.waiting.remove(request)
         if request in self.staging:
@@ -298,9 +304,7 @@ class Scheduler:
         for s in open_samples:
             s.done = True
         self.live.pop(request.id, None)
-        deltas = [TokenDelta(s.index, [], [], [], None, reason) for s in open_samples]
-        if deltas:
-            _emit({request: deltas})
+        return open_samples
 
     def _all_requests(self) -> list[Request]:
         requests = list(self.waiting) + list(self.staging) + [s.request for s in self.running]
@@ -317,43 +321,42 @@ class Scheduler:
             for s in request.samples:
                 s.done = True
             self.live.pop(request.id, None)
-            try:
-                request.loop.call_soon_threadsafe(request.queue.put_nowait, exc)
-            except RuntimeError:
-                pass
+            _raise_in_consumer(request, exc)
         self.waiting.clear()
         self.staging.clear()
         self.running.clear()
 
 
-def _row_params(s: Sample) -> RowParams:
-    p = s.request.params
-    return RowParams(p.temperature, p.top_p, p.top_k, s.generator, p.top_logprobs)
+def _sampling_error(request: Request, exc: Exception) -> EngineError:
+    """What the consumer of a request whose rows could not be sampled is told."""
+    if isinstance(exc, NonFiniteLogits):  # the forward pass, not the request, is at fault
+        return EngineError("the model's logits for this request are not finite (NaN or inf)", 500)
+    p = request.params
+    settings = f"temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}, seed={p.seed}"
+    return EngineError(f"sampling failed for this request ({settings}): {exc}", 400)
 
 
 def _finish_reason(s: Sample, token: int, eos_token_ids: set[int], tokenizer):
     """(finish_reason, stop_reason) after `token`; (None, None) while the sample goes on."""
-    p = s.request.params
-    if token in p.stop_token_ids:
+    request = s.request
+    if token in request.stop_token_ids:
         return "stop", token
-    if not p.ignore_eos and token in eos_token_ids:
+    if not request.params.ignore_eos and token in eos_token_ids:
         return "stop", None
-    if p.stop:
-        hit = _stop_string(tokenizer, s.tokens, p.stop)
+    if request.stops is not None:
+        hit = request.stops.match(tokenizer, s.tokens)
         if hit is not None:
             return "stop", hit
-    if len(s.tokens) >= s.request.max_tokens:
+    if len(s.tokens) >= request.max_tokens:
         return "length", None
     return None, None
 
 
-def _stop_string(tokenizer, tokens: list[int], stops: list[str]) -> str | None:
-    window = max(len(x) for x in stops) + 2
-    text = tokenizer.decode(tokens[-window:], skip_special_tokens=False)
-    for stop in stops:
-        if stop and stop in text:
-            return stop
-    return None
+def _raise_in_consumer(request: Request, exc: Exception) -> None:
+    try:
+        request.loop.call_soon_threadsafe(request.queue.put_nowait, exc)
+    except RuntimeError:  # the consumer's loop is closed
+        pass
 
 
 def _emit(outbox: Outbox) -> None:

@@ -7,17 +7,31 @@ they stay independent of how batching and the KV cache are implemented.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+# Bounds on one request's sampling settings. vLLM bounds only top_logprobs; the
+# others are ours: a million stop strings are checked against every sampled
+# token, and a seed or top_k past int64 overflows inside the sampler.
+MAX_TEMPERATURE = 100.0  # logits / 100 is already uniform for any practical purpose
+MAX_TOP_K = 2**31 - 1  # anything above the vocabulary means "no top-k"
+MAX_SEED = 2**63  # exclusive: seed + sample index must stay a valid torch seed
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
 
 class EngineError(Exception):
-    """A request the engine refuses; `status` is the HTTP status it maps to."""
+    """A request the engine refuses; `status` is the HTTP status it maps to, `param` the
+    request field at fault (reported as the OpenAI error's `param`)."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
+        self.param = param
 
 
 class PauseMode(str, Enum):
@@ -44,16 +58,58 @@ class SamplingParams:
     top_logprobs: int = 0  # how many alternatives to report per token (0 = none)
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise EngineError("max_tokens must be >= 1")
-        if self.temperature < 0:
-            raise EngineError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise EngineError("top_p must be in (0, 1]")
-        if self.n < 1:
-            raise EngineError("n must be >= 1")
-        if not 0 <= self.top_logprobs <= 20:
-            raise EngineError("top_logprobs must be between 0 and 20")
+        """Refuse (400, naming the field) any value the sampler cannot honour exactly."""
+        _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _require(
+            math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+            "temperature",
+            f"must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}",
+        )
+        _require(
+            math.isfinite(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            f"must be a number in (0, 1], got {self.top_p}",
+        )
+        _require(
+            -1 <= self.top_k <= MAX_TOP_K,
+            "top_k",
+            f"must be -1 or 0 (off) or in [1, {MAX_TOP_K}], got {self.top_k}",
+        )
+        _require(
+            self.seed is None or 0 <= self.seed < MAX_SEED,
+            "seed",
+            f"must be in [0, 2**63), got {self.seed}",
+        )
+        _require(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _require(
+            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            "top_logprobs",
+            f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
+        )
+        self._validate_stops()
+
+    def _validate_stops(self) -> None:
+        _require(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+        )
+        _require(
+            all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters",
+        )
+        _require(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, "
+            f"got {len(self.stop_token_ids)}",
+        )
+
+
+def _require(ok: bool, param: str, problem: str) -> None:
+    if not ok:
+        raise EngineError(f"{param} {problem}", 400, param)
 
 
 @dataclass

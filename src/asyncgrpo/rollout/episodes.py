@@ -25,7 +25,9 @@ What each stop reason does to the group (nothing becomes reward 0 silently):
 `rewards:` functions, when a recipe lists them, do not change the reward: they
 grade each trainable episode's final reply text (TRL signature, the row's
 columns) and are logged as `final_<name>` (`eval_final_<name>` in evaluations),
-e.g. a plain correctness check beside a rollout's shaped reward.
+e.g. a plain correctness check beside a rollout's shaped reward. A grader that
+raises or misses `rollout.reward_timeout_s` drops the group (`reward_error`,
+`reward_timeout`) like a reward function of a single-turn run.
 
 Departure, stated: advantages are computed per rollout (`compute_advantages`),
 so an episode that forked into several branches contributes one rollout per

@@ -10,14 +10,19 @@ as a keyword argument repeated `n` times. As in TRL, a conversational prompt
 
 `RewardRunner` resolves each entry of `rewards:` — a Python callable, a
 built-in name from `asyncgrpo.tasks`, or a dotted path `package.module:function`
-— once, at start-up, so a typo fails before the engine starts. Per group, all
+— once, at start-up, so a typo fails before the engine starts (and, with
+process workers, so does a function that cannot be pickled). Per group, all
 functions run concurrently: `async def` ones are awaited on the rollout loop,
-plain ones run in a small thread pool (a slow verifier never stalls
-generation). Outputs are checked: one finite number or None per completion; NaN
-means None ("no opinion", masked by the advantage computation). Anything else —
-a wrong length, a string, an exception — raises `RewardError` naming the
-function, with the original exception chained; the orchestrator counts it and
-drops the group (`rollout.reward_error_policy: drop_group`) or stops the run
+plain ones run in worker threads or worker processes (`reward_workers.py`), so
+a slow verifier never stalls generation. Every call has a deadline
+(`rollout.reward_timeout_s`): a call that misses it raises `RewardTimeout`
+naming the function, counted as `reward_timeout`.
+
+Outputs are checked: one finite number or None per completion; NaN means None
+("no opinion", masked by the advantage computation). Anything else — a wrong
+length, a string, an exception, a crashed worker — raises `RewardError` naming
+the function, with the original exception chained; the orchestrator counts it
+and drops the group (`rollout.reward_error_policy: drop_group`) or stops the run
 (`abort`). It is never turned into a reward of 0 (REFERENCE.md, bug 15).
 """
 
@@ -30,18 +35,35 @@ import importlib
 import inspect
 import math
 import numbers
+import pickle
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from asyncgrpo.rollout.reward_workers import (
+    CallTimedOut,
+    ProcessWorkers,
+    RunningCalls,
+    ThreadWorkers,
+    WorkerCrashed,
+    run_on_loop,
+)
 
 
 class RewardFailure(Exception):
     """A group could not be scored; the orchestrator drops it (or stops the run)."""
 
+    reason = "reward_error"  # what the orchestrator counts it as
+
 
 class RewardError(RewardFailure):
     """A reward function raised or returned something unusable for a group."""
+
+
+class RewardTimeout(RewardFailure):
+    """A reward function missed `rollout.reward_timeout_s` (or found no free worker in time)."""
+
+    reason = "reward_timeout"
 
 
 class RewardSpecError(ValueError):
@@ -117,9 +139,20 @@ def _is_async(func: Callable) -> bool:
 
 
 class RewardRunner:
-    """Scores groups with a fixed list of reward functions (see the module docstring)."""
+    """Scores groups with a fixed list of reward functions (see the module docstring).
 
-    def __init__(self, funcs: Sequence[Any], max_workers: int = 4):
+    `workers` is where plain functions run, `thread` or `process`, at most `num_workers`
+    calls at once; `timeout_s` is the deadline of one call.
+    """
+
+    def __init__(
+        self,
+        funcs: Sequence[Any],
+        *,
+        timeout_s: float = 60.0,
+        workers: str = "thread",
+        num_workers: int = 4,
+    ):
         if isinstance(funcs, str | bytes) or callable(funcs):
             funcs = [funcs]
         self.funcs = [resolve_reward(f) for f in funcs]
@@ -131,7 +164,16 @@ class RewardRunner:
             name = reward_name(f)
             seen[name] += 1
             self.names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
+        self.timeout_s = timeout_s
+        self.running = RunningCalls()  # what the watchdog reports
+        plain = [None if _is_async(f) else f for f in self.funcs]
+        if workers == "process":
+            _check_picklable(plain, self.names)
+            self._workers = ProcessWorkers(plain, self.names, num_workers, self.running)
+        elif workers == "thread":
+            self._workers = ThreadWorkers(plain, self.names, num_workers, self.running)
+        else:
+            raise RewardSpecError(f"reward workers {workers!r}: expected 'thread' or 'process'")
 
     async def score_group(
         self, row: dict, texts: list[str], completion_ids: list[list[int]]
@@ -151,11 +193,11 @@ class RewardRunner:
             **columns,
         )
         results = await asyncio.gather(
-            *[self._call(f, kwargs) for f in self.funcs], return_exceptions=True
+            *[self._call(i, kwargs) for i in range(len(self.funcs))], return_exceptions=True
         )
         out = []
         for name, result in zip(self.names, results, strict=True):
-            if isinstance(result, asyncio.CancelledError):
+            if isinstance(result, asyncio.CancelledError | RewardFailure):
                 raise result
             if isinstance(result, BaseException):
                 raise RewardError(
@@ -164,17 +206,49 @@ class RewardRunner:
             out.append(check_scores(name, result, n))
         return out
 
-    async def _call(self, func: Callable, kwargs: dict) -> Any:
-        if _is_async(func):
-            return await func(**kwargs)
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._pool, functools.partial(func, **kwargs))
-        if inspect.isawaitable(result):  # a plain function that returned a coroutine
-            result = await result
-        return result
+    async def _call(self, index: int, kwargs: dict) -> Any:
+        name, func = self.names[index], self.funcs[index]
+        try:
+            if _is_async(func):
+                return await run_on_loop(name, func(**kwargs), self.timeout_s, self.running)
+            result = await self._workers.run(index, kwargs, self.timeout_s)
+            if inspect.isawaitable(result):  # a plain function that returned a coroutine
+                result = await run_on_loop(name, result, self.timeout_s, self.running)
+            return result
+        except CallTimedOut as exc:
+            raise RewardTimeout(
+                f"reward function '{name}' {exc} (rollout.reward_timeout_s)"
+            ) from None
+        except WorkerCrashed as exc:
+            raise RewardError(f"reward function '{name}' crashed: {exc}") from None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the workers without waiting for a stuck call (the process must be able to exit)."""
+        self._workers.close()
+
+
+def _check_picklable(funcs: list[Callable | None], names: list[str]) -> None:
+    """Process workers import the functions by reference: refuse, at start-up, those they
+    could not (lambdas, local functions, anything defined in the main script)."""
+    for func, name in zip(funcs, names, strict=True):
+        if func is None:
+            continue
+        inner = func.func if isinstance(func, functools.partial) else func
+        try:
+            pickle.dumps(func)
+            problem = (
+                "it is defined in the main script"
+                if getattr(inner, "__module__", None) == "__main__"
+                else ""
+            )
+        except Exception as exc:
+            problem = f"it cannot be pickled ({exc})"
+        if problem:
+            raise RewardSpecError(
+                f"reward function '{name}' cannot run in a worker process "
+                f"(rollout.reward_workers: process): {problem}; define it at module level "
+                "in an importable module, or use reward_workers: thread"
+            )
 
 
 def check_scores(name: str, result: Any, n: int) -> list[float | None]:

@@ -6,6 +6,10 @@ ids, so they share one prefill. When a weight sync aborts requests in flight
 (prompt + partial ids as the new prompt), keeping the version of every token,
 as AReaL's interruptible generation does. Evaluation samples greedily through
 the same `_sample` path, one completion per held-out row.
+
+A group in which fewer than two completions got any reward (every function
+returned None or NaN for them) carries no signal and is dropped as `no_reward`,
+not as `zero_variance`: the rewards are missing, not equal.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class SingleTurnBuilder:
         self.generated_tokens += sum(len(r.completion_ids) for r in rollouts)
         group = Group(group_id, position, row, rollouts)
         await self.score(row, rollouts)
+        self._require_rewards(rollouts)
         group.zero_variance = is_zero_variance(rollouts, self.advantage)
         return group
 
@@ -72,10 +77,27 @@ class SingleTurnBuilder:
             per_function = await self.rewards.score_group(
                 row, [r.text for r in rollouts], [r.completion_ids for r in rollouts]
             )
+        except RewardFailure:
+            raise
         except Exception as exc:
             raise RewardFailure(str(exc)) from exc
         for i, r in enumerate(rollouts):
             r.rewards = [scores[i] for scores in per_function]
+
+    def _require_rewards(self, rollouts: list[Rollout]) -> None:
+        """`GroupDropped("no_reward")` when fewer than two completions have any reward."""
+        scored = sum(any(x is not None for x in r.rewards) for r in rollouts)
+        if scored >= 2:
+            return
+        names = getattr(self.rewards, "names", None) or []
+        silent = [
+            name for j, name in enumerate(names) if all(r.rewards[j] is None for r in rollouts)
+        ]
+        raise GroupDropped(
+            "no_reward",
+            f"the reward functions returned None or NaN for {len(rollouts) - scored} of "
+            f"{len(rollouts)} completions (None/NaN for all: {', '.join(silent) or '-'})",
+        )
 
     async def _sample(
         self, prompt_ids: list[int], s: SamplingSettings, seed: int | None

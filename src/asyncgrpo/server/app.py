@@ -3,7 +3,8 @@
 `create_app(engine, settings)` builds the FastAPI application; `asyncgrpo
 serve` (cli.py) loads the model and runs it under uvicorn. The engine thread is
 started and stopped with the application, so a test can run the same app
-in-process. Request bodies are size-limited before routing; every error,
+in-process. Connection limits and timeouts are set where uvicorn runs it
+(`connections.py`). Request bodies are size-limited before routing; every error,
 including a failing engine, becomes a JSON error response and the next request
 is served normally.
 """
@@ -45,6 +46,8 @@ class ServerSettings:
     """An episode with no call for this long is closed (its samples are dropped)."""
     max_episode_turns: int = 1000
     """Calls one episode may make, whatever the episode asked for when it was opened."""
+    weights_dir: str | None = None
+    """Where the `disk` weight backend may read (see `EngineConfig.weights_dir`)."""
 
     @classmethod
     def from_config(
@@ -59,6 +62,7 @@ class ServerSettings:
             tool_parser=cfg.tool_parser,
             max_open_episodes=cfg.max_open_episodes,
             episode_idle_timeout_s=cfg.episode_idle_timeout_s,
+            weights_dir=cfg.weights_dir,
         )
 
 
@@ -76,7 +80,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> FastAPI:
     app = FastAPI(title="asyncgrpo engine", lifespan=lifespan)
     app.state.engine = engine
     app.state.settings = settings
-    app.state.weights = WeightReceiver(engine)
+    app.state.weights = WeightReceiver(engine, settings.weights_dir)
     app.state.started = int(time.time())
     app.state.tool_parser = get_parser(settings.tool_parser)
     app.state.episodes = episodes.EpisodeRegistry(

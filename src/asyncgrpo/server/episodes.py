@@ -27,7 +27,9 @@ not run concurrently.
 Bounds: at most `max_open_episodes` open episodes (503 beyond); an episode idle
 for `episode_idle_timeout_s` is closed (expired) when the registry next looks;
 at most `max_turns` calls per episode (400 beyond, counted as `refused_turns`).
-Streaming is served from the finished response (see `openai_format.chunks_of`).
+A call's body is checked like a `/v1/chat/completions` body before it becomes a
+turn, and its prompt is rendered and tokenized off the event loop. Streaming is
+served from the finished response (see `openai_format.chunks_of`).
 """
 
 from __future__ import annotations
@@ -44,17 +46,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from asyncgrpo.agents.trajectory import (
-    Call,
-    EpisodeResult,
-    StopReason,
-    TrajectoryBuilder,
-    next_prompt_ids,
-)
+from asyncgrpo.agents.trajectory import Call, EpisodeResult, StopReason, TrajectoryBuilder
 from asyncgrpo.engine.types import EngineError
-from asyncgrpo.server import openai_routes
+from asyncgrpo.server import openai_routes, prompts
 from asyncgrpo.server.control_routes import require_admin
-from asyncgrpo.server.protocol import ChatCompletionRequest
+from asyncgrpo.server.protocol import ChatCompletionRequest, RequestLimits
 
 RETRY_HEADER = "x-stainless-retry-count"
 REPLAY_CAPACITY = 64  # responses remembered per episode for SDK retries
@@ -321,6 +317,7 @@ async def episode_chat(episode_id: str, request: Request):
         except ValidationError as exc:
             raise RequestValidationError(exc.errors()) from None
         openai_routes.check_model(request, body.model)
+        body.check(RequestLimits.of(request.app.state.engine))
         digest = body_digest(raw)
         task = episode.replays.get(digest) if retry_count(request) > 0 else None
         if task is not None:
@@ -350,14 +347,14 @@ async def run_turn(request: Request, episode: Episode, body: ChatCompletionReque
             episode.refused_turns += 1
             raise EngineError(f"episode reached its max_turns ({episode.max_turns})", 400)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        for m in body.messages:
-            m.for_template()  # refuses content parts other than text
-        try:
-            prompt = next_prompt_ids(
-                episode.builder, messages, engine.tokenizer, body.tools, body.chat_template_kwargs
-            )
-        except Exception as exc:  # jinja errors, templates that raise on bad roles, ...
-            raise EngineError(f"cannot render the chat template: {exc}") from None
+        prompt = await prompts.off_loop(
+            prompts.episode_prompt_ids,
+            episode.builder,
+            messages,
+            engine.tokenizer,
+            body,
+            RequestLimits.of(engine),
+        )
         job = openai_routes.chat_job(engine, body, prompt)
         choices = await job.run()
         if episode.closed:

@@ -2,7 +2,9 @@
 
 One HTTP request may carry several prompts (`/v1/completions` with a list),
 each with `n` samples; every (prompt, sample) pair is one choice, numbered
-`prompt_index * n + sample_index` as vLLM does. The engine runs each prompt as
+`prompt_index * n + sample_index` as vLLM does. A job checks the request (the
+sequences it asks for, each prompt, the context) before it builds any choice, so
+a request for a billion samples costs nothing. The engine runs each prompt as
 its own request; `GenerationJob.deltas()` interleaves their token deltas. When
 the consumer stops (client gone, task cancelled), the engine requests are
 aborted through the engine's own generator clean-up, which frees their slots.
@@ -22,6 +24,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from asyncgrpo.engine.types import SamplingParams, TokenDelta
+from asyncgrpo.server.protocol import RequestLimits, check_context, check_sequences
 
 
 class TextAssembler:
@@ -106,7 +109,11 @@ class Choice:
 
 
 class GenerationJob:
-    """The prompts of one HTTP request, run on the engine as one engine request each."""
+    """The prompts of one HTTP request, run on the engine as one engine request each.
+
+    `clamp_to_context`: a `max_tokens` beyond the context is cut to fit (a default
+    the client did not ask for); otherwise such a request is refused, as in vLLM.
+    """
 
     def __init__(
         self,
@@ -117,10 +124,12 @@ class GenerationJob:
         id_prefix: str = "cmpl",
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        clamp_to_context: bool = False,
     ):
         self.engine = engine
         self.prompts = prompts
         self.params = params
+        self._check(clamp_to_context)  # before one object per choice exists
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.choices = {
             p * params.n + i: Choice(
@@ -132,10 +141,13 @@ class GenerationJob:
             for i in range(params.n)
         }
 
-    def check(self) -> None:
+    def _check(self, clamp_to_context: bool) -> None:
         """Refuse bad requests before any response starts (the engine checks again)."""
+        check_sequences(len(self.prompts), self.params.n, RequestLimits.of(self.engine))
         for prompt in self.prompts:
             self.engine.check_request(prompt, self.params)
+            if not clamp_to_context:
+                check_context(len(prompt), self.params.max_tokens, self.engine.max_model_len)
 
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)

@@ -11,6 +11,10 @@ Tool calls parsed out of the generated text become the message's `tool_calls`
 (finish reason `tool_calls`, as vLLM reports it); a stream of such a response is
 the finished response cut into chunks (`chunks_of`), since a half-generated
 call cannot be shown.
+
+Log-probs leave as valid JSON: a token that top-k or top-p masked out has log-prob
+`-inf` in the engine, which JSON cannot carry, so it is reported as -9999.0, the
+floor vLLM's OpenAI layer uses; NaN (never produced by the engine) would get the same.
 """
 
 from __future__ import annotations
@@ -36,10 +40,24 @@ class TokenText:
         return text
 
 
+LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf
+
+
+def json_logprob(logprob: float) -> float:
+    """`logprob` within [-9999.0, 0]: -inf and NaN, which JSON cannot carry, become the floor."""
+    if not logprob > LOGPROB_FLOOR:  # NaN compares False
+        return LOGPROB_FLOOR
+    return min(logprob, 0.0)
+
+
 def chat_logprobs(token_text: TokenText, ids, logprobs, tops) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": text,
+            "logprob": json_logprob(logprob),
+            "bytes": list(text.encode("utf-8")),
+        }
 
     return {
         "content": [
@@ -57,12 +75,13 @@ def completion_logprobs(token_text: TokenText, ids, logprobs, tops, offset: int 
         offset += len(text)
     top_dicts = []
     for t, lp, top in zip(ids, logprobs, tops):
-        alternatives = {token_text(a): alp for a, alp in top}
-        alternatives[token_text(t)] = lp  # the sampled token is always listed, as in vLLM
+        alternatives = {token_text(a): json_logprob(alp) for a, alp in top}
+        # the sampled token is always listed, as in vLLM
+        alternatives[token_text(t)] = json_logprob(lp)
         top_dicts.append(alternatives)
     return {
         "tokens": tokens,
-        "token_logprobs": list(logprobs),
+        "token_logprobs": [json_logprob(lp) for lp in logprobs],
         "top_logprobs": top_dicts,
         "text_offset": offsets,
     }

@@ -3,7 +3,8 @@
 These routes are open (no token): they are what any `openai` client, agent
 framework or benchmark talks to. The server binds to 127.0.0.1 unless told
 otherwise. Bad requests are refused before a stream starts, so a client gets a
-plain JSON 400 rather than a broken stream.
+plain JSON 400 rather than a broken stream, and before any prompt is rendered
+or tokenized; rendering and tokenizing run off the event loop (`prompts.py`).
 
 A chat request with `tools` is rendered by `ChatRenderer` (the template's own
 tool rendering, or the system-message fallback for templates without it), and
@@ -21,17 +22,12 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from asyncgrpo.agents.trajectory import ChatRenderer
 from asyncgrpo.engine.types import EngineError
 from asyncgrpo.server import openai_format as fmt
+from asyncgrpo.server import prompts
 from asyncgrpo.server.errors import error_body
 from asyncgrpo.server.generation import GenerationJob
-from asyncgrpo.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    render_chat,
-    tokenize_prompt,
-)
+from asyncgrpo.server.protocol import ChatCompletionRequest, CompletionRequest, RequestLimits
 from asyncgrpo.server.streaming import (
     ClientDisconnected,
     EventStream,
@@ -78,18 +74,6 @@ async def models(request: Request):
     }
 
 
-def chat_prompt_ids(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The prompt of a chat request; with `tools`, rendered with the fallback where needed."""
-    if not body.tools or body.continue_final_message or not body.add_generation_prompt:
-        return render_chat(tokenizer, body)
-    messages = [m.for_template() for m in body.messages]
-    try:
-        renderer = ChatRenderer(tokenizer, body.tools, body.chat_template_kwargs)
-        return renderer.prompt_ids(messages)
-    except Exception as exc:  # jinja errors, templates that raise on bad roles, ...
-        raise EngineError(f"cannot render the chat template: {exc}") from None
-
-
 def parse_tool_calls(request: Request, body: ChatCompletionRequest, text: str, id_seed: str):
     """The text split into content and tool calls, or None when the request has no tools."""
     if not body.tools or body.tool_choice == "none":
@@ -133,10 +117,14 @@ def stream_of(response: dict, include_usage: bool) -> EventStream:
 
 
 def chat_job(engine, body: ChatCompletionRequest, prompt: list[int]) -> GenerationJob:
-    """The checked generation job of a chat request whose prompt is already rendered."""
-    max_tokens = body.requested_max_tokens() or max(1, engine.max_model_len - len(prompt))
+    """The checked generation job of a chat request whose prompt is already rendered.
+
+    An omitted max_tokens means the rest of the context.
+    """
+    requested = body.requested_max_tokens()
+    max_tokens = max(1, engine.max_model_len - len(prompt)) if requested is None else requested
     params = body.sampling_params(max_tokens, body.top_logprobs_count())
-    job = GenerationJob(
+    return GenerationJob(
         engine,
         [prompt],
         params,
@@ -144,15 +132,15 @@ def chat_job(engine, body: ChatCompletionRequest, prompt: list[int]) -> Generati
         skip_special_tokens=body.skip_special_tokens,
         include_stop=body.include_stop_str_in_output,
     )
-    job.check()
-    return job
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     engine = request.app.state.engine
     check_model(request, body.model)
-    prompt = chat_prompt_ids(engine.tokenizer, body)
+    limits = RequestLimits.of(engine)
+    body.check(limits)
+    prompt = await prompts.off_loop(prompts.chat_prompt_ids, engine.tokenizer, body, limits)
     job = chat_job(engine, body, prompt)
     token_text = fmt.TokenText(engine.tokenizer)
     if body.stream and not body.tools:
@@ -205,19 +193,23 @@ def _chat_events(job: GenerationJob, body: ChatCompletionRequest, model: str, to
 async def completions(body: CompletionRequest, request: Request):
     engine = request.app.state.engine
     check_model(request, body.model)
-    prompts = [
-        tokenize_prompt(engine.tokenizer, p, body.add_special_tokens) for p in body.prompt_list()
-    ]
-    params = body.sampling_params(body.max_tokens or 16, body.logprobs or 0)
+    limits = RequestLimits.of(engine)
+    texts = body.prompt_list()
+    body.check(limits, prompts=len(texts))
+    prompt_ids = await prompts.off_loop(
+        prompts.tokenize_prompts, engine.tokenizer, texts, body.add_special_tokens, limits
+    )
+    omitted = body.max_tokens is None  # OpenAI's default: 16, cut to fit the context
+    params = body.sampling_params(16 if omitted else body.max_tokens, body.top_logprobs_count())
     job = GenerationJob(
         engine,
-        prompts,
+        prompt_ids,
         params,
         id_prefix="cmpl",
         skip_special_tokens=body.skip_special_tokens,
         include_stop=body.include_stop_str_in_output,
+        clamp_to_context=omitted,
     )
-    job.check()
     token_text = fmt.TokenText(engine.tokenizer)
     with_logprobs = body.logprobs is not None
     if body.stream:
@@ -232,7 +224,7 @@ async def completions(body: CompletionRequest, request: Request):
         served_name(request),
         [
             fmt.completion_choice(
-                c, token_text, with_logprobs, body.return_token_ids, prompts[c.prompt_index]
+                c, token_text, with_logprobs, body.return_token_ids, prompt_ids[c.prompt_index]
             )
             for c in choices
         ],
@@ -290,7 +282,7 @@ async def _framed(job, chunks, include_usage: bool, model: str, created: int, ki
             final["usage"] = fmt.usage(job.prompt_tokens(), job.completion_tokens())
             yield sse(final)
     except EngineError as exc:
-        yield sse(error_body(exc.message, exc.status))
+        yield sse(error_body(exc.message, exc.status, exc.param))
     except Exception as exc:  # never let one request take the server down
         logger.exception("stream %s failed", job.id)
         yield sse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500))

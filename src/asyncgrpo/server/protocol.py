@@ -1,22 +1,117 @@
-"""Request bodies of the OpenAI routes, as pydantic models, and their sampling settings.
+"""Request bodies of the OpenAI routes, as pydantic models, and the checks they pass first.
 
 Field names follow the OpenAI API plus vLLM's extensions that RL needs
 (`top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
 `include_stop_str_in_output`, `skip_special_tokens`). Unknown fields are
 ignored (clients send vendor extras); a known field of the wrong type is a 422.
+A value out of range is a 400 that names the field (the error's `param`), as in
+vLLM and OpenAI. `check` runs before anything is rendered, tokenized or
+allocated for the request, so a hostile body costs no more than its parsing.
 Settings we do not implement (penalties, logit bias, echo, suffix) are refused
 with a 400 rather than silently ignored: they would change the distribution
-the log-probs claim to come from.
+the log-probs claim to come from. Client-supplied chat templates are refused:
+a template is code, and one with nested loops can run for minutes.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncgrpo.engine.types import EngineError, SamplingParams
+from asyncgrpo.config import EngineConfig
+from asyncgrpo.engine.types import MAX_TOP_LOGPROBS, EngineError, SamplingParams
+
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARG_CHARS = 1024
+# Arguments of `apply_chat_template` that are not template variables: they would replace
+# the template or change what rendering returns.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+    }
+)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The engine's limits that every request is checked against before any work is done."""
+
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    max_request_sequences: int
+
+    @classmethod
+    def of(cls, engine) -> RequestLimits:
+        config = engine.config
+        # an engine configured without this field (a test fake) gets the documented default
+        per_request = getattr(
+            config,
+            "max_request_sequences",
+            EngineConfig.model_fields["max_request_sequences"].default,
+        )
+        return cls(engine.max_model_len, engine.vocab_size, config.max_num_seqs, per_request)
+
+
+def check_sequences(prompts: int, n: int, limits: RequestLimits) -> None:
+    """Refuse more sequences than one engine request or one HTTP request may ask for."""
+    if n > limits.max_num_seqs:
+        raise EngineError(f"n={n} exceeds max_num_seqs={limits.max_num_seqs}", 400, "n")
+    if prompts * n > limits.max_request_sequences:
+        raise EngineError(
+            f"this request asks for {prompts} prompt(s) x n={n} = {prompts * n} sequences; "
+            f"the limit is max_request_sequences={limits.max_request_sequences}",
+            400,
+            "n",
+        )
+
+
+def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Refuse a prompt plus `max_tokens` beyond the context, as vLLM does."""
+    if prompt_tokens + max_tokens > max_model_len:
+        raise EngineError(
+            f"This model's maximum context length is {max_model_len} tokens (max_model_len is "
+            f"{max_model_len}). However, you requested {prompt_tokens + max_tokens} tokens "
+            f"({prompt_tokens} in the prompt, {max_tokens} in the completion). Please reduce "
+            "the length of the prompt or max_tokens.",
+            400,
+            "max_tokens",
+        )
+
+
+def refuse_lone_surrogates(param: str, texts: list[str]) -> None:
+    """A lone UTF-16 surrogate (JSON allows "\\ud800") is not text: no tokenizer takes it."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise EngineError(
+                f"{param} contains a lone surrogate (U+D800-U+DFFF), which is not valid Unicode",
+                400,
+                param,
+            ) from None
+
+
+def _require_at_least_one(param: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise EngineError(f"{param} must be >= 1, got {value}", 400, param)
 
 
 class StreamOptions(BaseModel):
@@ -54,6 +149,27 @@ class GenerationRequest(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def top_logprobs_count(self) -> int:
+        return 0
+
+    def check(self, limits: RequestLimits, prompts: int = 1) -> None:
+        """Refuse bad values (400 naming the field) before any work is done for the request."""
+        self.refuse_unsupported()
+        _require_at_least_one("max_tokens", self.max_tokens)
+        requested = self.requested_max_tokens()
+        max_tokens = 1 if requested is None else requested  # the default depends on the prompt
+        params = self.sampling_params(max_tokens, self.top_logprobs_count())
+        params.validate()
+        refuse_lone_surrogates("stop", params.stop)
+        if any(not 0 <= t < limits.vocab_size for t in params.stop_token_ids):
+            raise EngineError(
+                f"stop_token_ids must be in [0, {limits.vocab_size})", 400, "stop_token_ids"
+            )
+        check_sequences(prompts, self.n, limits)
 
     def refuse_unsupported(self) -> None:
         if self.presence_penalty or self.frequency_penalty:
@@ -132,12 +248,67 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused: only the model's own template is rendered
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def top_logprobs_count(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else 0
+
+    def check(self, limits: RequestLimits, prompts: int = 1) -> None:
+        _require_at_least_one("max_completion_tokens", self.max_completion_tokens)
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise EngineError(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
+                400,
+                "top_logprobs",
+            )
+        self.check_template_kwargs()
+        super().check(limits, prompts)
+
+    def check_template_kwargs(self) -> None:
+        """Only the model's own template renders; its variables must be small JSON scalars."""
+        if self.chat_template is not None:
+            raise EngineError(
+                "chat_template is not accepted: this server renders only its model's own "
+                "chat template",
+                400,
+                "chat_template",
+            )
+        kwargs = self.chat_template_kwargs or {}
+        if len(kwargs) > MAX_TEMPLATE_KWARGS:
+            raise EngineError(
+                f"chat_template_kwargs may have at most {MAX_TEMPLATE_KWARGS} keys",
+                400,
+                "chat_template_kwargs",
+            )
+        for key, value in kwargs.items():
+            _check_template_kwarg(key, value)
+
+
+def _check_template_kwarg(key: str, value: Any) -> None:
+    param = "chat_template_kwargs"
+    if key in RESERVED_TEMPLATE_KWARGS:
+        raise EngineError(
+            f"chat_template_kwargs.{key} is not accepted: this server renders only its "
+            "model's own chat template",
+            400,
+            param,
+        )
+    if value is not None and not isinstance(value, bool | int | float | str):
+        raise EngineError(
+            f"chat_template_kwargs.{key} must be a string, number, boolean or null", 400, param
+        )
+    if len(key) > MAX_TEMPLATE_KWARG_CHARS or len(str(value)) > MAX_TEMPLATE_KWARG_CHARS:
+        raise EngineError(
+            f"chat_template_kwargs keys and values may have at most "
+            f"{MAX_TEMPLATE_KWARG_CHARS} characters",
+            400,
+            param,
+        )
 
 
 class CompletionRequest(GenerationRequest):
@@ -146,6 +317,18 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
+
+    def top_logprobs_count(self) -> int:
+        return self.logprobs or 0
+
+    def check(self, limits: RequestLimits, prompts: int = 1) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise EngineError(
+                f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}",
+                400,
+                "logprobs",
+            )
+        super().check(limits, prompts)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -164,27 +347,3 @@ class CompletionRequest(GenerationRequest):
         if not p:
             raise EngineError("prompt is empty")
         return list(p)
-
-
-def render_chat(tokenizer, request: ChatCompletionRequest) -> list[int]:
-    """Render messages (and tools) with the model's chat template, then tokenize."""
-    messages = [m.for_template() for m in request.messages]
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tools=request.tools,
-            tokenize=False,
-            add_generation_prompt=request.add_generation_prompt
-            and not request.continue_final_message,
-            continue_final_message=request.continue_final_message,
-            **(request.chat_template_kwargs or {}),
-        )
-    except Exception as exc:  # jinja errors, templates that raise on bad roles, ...
-        raise EngineError(f"cannot render the chat template: {exc}") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def tokenize_prompt(tokenizer, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-    if isinstance(prompt, str):
-        return tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-    return list(prompt)

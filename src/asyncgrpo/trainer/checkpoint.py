@@ -9,6 +9,11 @@ scheduler, data position, policy version, RNG states — in `state.json`.
 written into a temporary directory and renamed into place, so a crash leaves
 either the previous checkpoint or the new one, never half of one; `latest`
 names the newest complete checkpoint.
+
+Each checkpoint also carries the run's accounting (where every admitted group
+went) in `state.json`, and `accounting.json` in the run directory is rewritten
+(atomically) with it: after a kill -9 the file is as current as the last
+checkpoint, and a resumed run continues the counts of the one it resumes.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,6 +150,14 @@ def copy_named(
     return {k: v.to("cpu", dtype, copy=True).contiguous() for k, v in weights.items()}
 
 
+def write_json(path: str | Path, data: Any) -> None:
+    """Write JSON atomically: a reader (or a crash) never sees a partial file."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
 def write_weights(path: str | Path, weights: dict[str, torch.Tensor]) -> None:
     """Write safetensors atomically: a reader never sees a partial file."""
     path = Path(path)
@@ -222,6 +235,7 @@ class Checkpointer:
         snapshot_dtype: torch.dtype,
     ):
         self.trainer = trainer
+        self.accounting_path = Path(run_dir) / "accounting.json"
         self.directory = Path(run_dir) / "checkpoints"
         self.weights_directory = Path(run_dir) / "weights"
         self.every = every
@@ -230,13 +244,31 @@ class Checkpointer:
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "weights-writer")
         self._writing: concurrent.futures.Future | None = None
 
-    def maybe_save(self, step: int, data_position: dict, time_s: float, force: bool = False):
-        """Snapshot the weights and checkpoint when `step` is due (`force`: checkpoint now)."""
+    def maybe_save(
+        self,
+        step: int,
+        progress: Callable[[], tuple[dict, dict]],
+        time_s: float,
+        force: bool = False,
+    ) -> None:
+        """Snapshot the weights and checkpoint when `step` is due (`force`: checkpoint now).
+
+        `progress()` gives the data position and the accounting; it is asked only when a
+        checkpoint is due.
+        """
         if self.snapshot_every and step % self.snapshot_every == 0 and not force:
             self._snapshot(step)
         if force or step % self.every == 0:
-            state = TrainingState(step, self.trainer.version, data_position, {"time_s": time_s})
-            self.trainer.save_checkpoint(self.directory, state)
+            data_position, accounting = progress()
+            extra = {"time_s": time_s, "accounting": accounting}
+            self.trainer.save_checkpoint(
+                self.directory, TrainingState(step, self.trainer.version, data_position, extra)
+            )
+            self.write_accounting(accounting)
+
+    def write_accounting(self, accounting: dict) -> None:
+        """`accounting.json` in the run directory, replaced atomically."""
+        write_json(self.accounting_path, accounting)
 
     def resume(self) -> TrainingState:
         """Restore the newest checkpoint into the trainer; its scalar state for the rest."""

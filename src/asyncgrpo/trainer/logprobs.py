@@ -1,7 +1,8 @@
 """Token log-probs and entropies of a causal LM, without a full (N, V) float32 copy.
 
 The trainer needs log π(token) only for the sampled tokens, under the same
-distribution the engine sampled from: `softmax(logits.float() / temperature)`.
+distribution the engine sampled from: `softmax(logits.float() / temperature)`,
+restricted to the engine's nucleus when `top_p < 1` (below).
 A naive `log_softmax(logits).gather(...)` materialises the whole (N, V) matrix
 in float32 twice (log-softmax output, kept for backward); at a 49k vocabulary
 that is 200 kB per token. Here rows are processed in chunks through logsumexp.
@@ -14,6 +15,29 @@ logits instead of all of them, for the price of one extra head matmul in the
 backward pass (the Liger-kernel / "fused linear cross-entropy" idea, on CPU).
 Callers apply it only to the rows that predict a completion token, so a long
 prompt never pays for the vocabulary projection.
+
+Nucleus sampling (`top_p < 1`). The engine samples from the temperature-scaled
+distribution truncated to its nucleus and renormalised, and reports that
+distribution's log-probs (`processed_logprobs`). A full-vocabulary log-softmax
+here would make every ratio π_θ/π_engine carry the kept mass as if it were a
+policy change (TRL #6789/#6945), so with `top_p < 1` the trainer truncates its
+own logits by the engine's rule (`engine/sampling.py`): sort descending, keep a
+token while the probability mass before it is < top_p, the first always.
+Choices, since the nucleus itself depends on the logits:
+
+- the support S is the nucleus of the trainer's *own* logits, plus the sampled
+  token (the engine's nucleus held it; under staleness or rounding it can sit
+  just outside ours, and a −inf log-prob would poison the ratio). With the
+  engine's weights and kernels S is exactly the engine's set;
+- S is held fixed when differentiating: the gradient is that of log π_S, the
+  renormalised policy on S (exact wherever S does not change, i.e. almost
+  everywhere; the jumps where a token enters or leaves S have no gradient);
+- tokens tied with the last kept logit are all kept (the engine's sort order
+  among ties is arbitrary).
+
+The cost is a top-k search of each chunk's logits in the forward (a full sort
+for rows whose nucleus is wider than `NUCLEUS_FIRST_K` tokens); the backward
+recomputes S from one threshold logit kept per row.
 """
 
 from __future__ import annotations
@@ -51,6 +75,40 @@ def entropy_from_logits(
     return torch.cat(out) if out else logits.new_zeros(0, dtype=torch.float32)
 
 
+NUCLEUS_FIRST_K = 1024
+"""Largest logits searched first for a row's nucleus; only wider nuclei sort the whole row
+(at a 49k vocabulary, top-1024 costs 0.2-0.3 s per 512 rows on one thread, a sort 1.6 s)."""
+
+
+def nucleus_threshold(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Smallest logit of each row's top-p nucleus, by the engine's rule. z (c, V) -> (c,)."""
+    threshold, found = _threshold_in_top(z, top_p, min(NUCLEUS_FIRST_K, z.shape[-1]))
+    wide = ~found  # (c,)
+    if wide.any():
+        threshold[wide] = _threshold_in_top(z[wide], top_p, z.shape[-1])[0]
+    return threshold
+
+
+def _threshold_in_top(z: torch.Tensor, top_p: float, k: int):
+    """(threshold (c,), found (c,) bool): the nucleus' smallest logit, found where the
+    nucleus ends within the k largest logits."""
+    if k < z.shape[-1]:
+        top = torch.topk(z, k, dim=-1).values  # (c, k) descending
+    else:  # a sort is ~3x faster than a top-k of everything
+        top = torch.sort(z, dim=-1, descending=True).values  # (c, V)
+    probs = top.sub(torch.logsumexp(z, dim=-1, keepdim=True)).exp_()  # (c, k)
+    mass_before = probs.cumsum(dim=-1).sub_(probs)  # (c, k)
+    kept = (mass_before < top_p).sum(dim=-1).clamp_(min=1)  # (c,) the first token always stays
+    found = (kept < k) | (k == z.shape[-1])
+    return top.gather(1, (kept - 1)[:, None]).squeeze(1), found
+
+
+def outside_support(z: torch.Tensor, threshold: torch.Tensor, targets: torch.Tensor):
+    """(c, V) bool: True for tokens below the row's nucleus threshold, except the target."""
+    outside = z < threshold[:, None]  # (c, V)
+    return outside.scatter_(1, targets[:, None], False)
+
+
 def _chunk_logits(hidden, weight, bias, temperature) -> torch.Tensor:
     """Fresh (c, V) float32 logits / temperature, safe to modify in place."""
     logits = hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
@@ -61,24 +119,36 @@ def _chunk_logits(hidden, weight, bias, temperature) -> torch.Tensor:
 class _LMHeadLogProbs(torch.autograd.Function):
     """Fused head + selective log-softmax (+ entropy); recomputes logits in backward.
 
-    Works in place on each chunk: at most two (chunk, V) float32 buffers live.
+    Works in place on each chunk: at most two (chunk, V) float32 buffers live (more
+    while a chunk's nucleus is found, with top_p < 1). Tokens outside the support
+    get probability 0 (their logits stay finite, so no 0 · inf appears).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_rows, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, top_p, chunk_rows, with_entropy):
         n = hidden.shape[0]
         logprobs = hidden.new_empty(n, dtype=torch.float32)  # (M,)
-        lse = hidden.new_empty(n, dtype=torch.float32)  # (M,)
+        lse = hidden.new_empty(n, dtype=torch.float32)  # (M,) over the support
         mean_z = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)  # (M,) E_p[z]
+        threshold = hidden.new_empty(n if top_p < 1 else 0, dtype=torch.float32)  # (M,)
         for s in range(0, n, chunk_rows):
             rows = slice(s, s + chunk_rows)
             z = _chunk_logits(hidden[rows], weight, bias, temperature)  # (c, V)
-            lse[rows] = torch.logsumexp(z, dim=-1)
+            outside = None
+            if top_p < 1:
+                threshold[rows] = nucleus_threshold(z, top_p)
+                outside = outside_support(z, threshold[rows], targets[rows])  # (c, V)
+            lse[rows] = torch.logsumexp(
+                z if outside is None else z.masked_fill(outside, float("-inf")), dim=-1
+            )
             logprobs[rows] = z.gather(1, targets[rows, None]).squeeze(1) - lse[rows]
             if with_entropy:
                 log_p = z.sub_(lse[rows, None])  # (c, V), in place
-                mean_z[rows] = (log_p.exp() * log_p).sum(-1) + lse[rows]
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z)
+                p = log_p.exp()  # (c, V)
+                if outside is not None:
+                    p.masked_fill_(outside, 0.0)
+                mean_z[rows] = p.mul_(log_p).sum(-1) + lse[rows]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z, threshold)
         ctx.temperature, ctx.chunk_rows, ctx.with_entropy = temperature, chunk_rows, with_entropy
         entropy = lse - mean_z if with_entropy else hidden.new_zeros(n, dtype=torch.float32)
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
@@ -86,7 +156,7 @@ class _LMHeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, targets, lse, mean_z = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, mean_z, threshold = ctx.saved_tensors
         temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -97,7 +167,9 @@ class _LMHeadLogProbs(torch.autograd.Function):
             rows = slice(s, s + chunk_rows)
             h = hidden[rows]  # (c, H)
             z = _chunk_logits(h, weight, bias, temperature)  # (c, V)
-            p = torch.sub(z, lse[rows, None]).exp_()  # (c, V) softmax
+            p = torch.sub(z, lse[rows, None]).exp_()  # (c, V) softmax on the support
+            if threshold.numel():
+                p.masked_fill_(outside_support(z, threshold[rows], targets[rows]), 0.0)
             g_lp = grad_logprobs[rows, None]  # (c, 1)
             # d logp_t/dz = onehot(t) - p ;  d H/dz = -p (z - E_p[z])
             # => grad_z = onehot(t) g_lp - p (g_lp + g_ent (z - E_p[z]))
@@ -121,7 +193,7 @@ class _LMHeadLogProbs(torch.autograd.Function):
                 grad_b += grad_logits.float().sum(0)
         grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def lm_head_token_logprobs(
@@ -131,8 +203,10 @@ def lm_head_token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of `targets` (and entropies) under softmax(lm_head(hidden).float() / T).
+    """Log-probs of `targets` (and entropies) under softmax(lm_head(hidden).float() / T),
+    truncated to the engine's top-p nucleus plus the target when `top_p < 1`.
 
     hidden (M, H) holds only the rows that predict a target; targets (M,).
     Returns fp32 tensors (M,), differentiable w.r.t. hidden and the head.
@@ -145,8 +219,7 @@ def lm_head_token_logprobs(
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
+    options = (float(temperature), float(top_p), chunk_rows, with_entropy)
     with torch.autocast(device_type, enabled=False):
-        logprobs, entropy = _LMHeadLogProbs.apply(
-            hidden, weight, bias, targets, float(temperature), chunk_rows, with_entropy
-        )
+        logprobs, entropy = _LMHeadLogProbs.apply(hidden, weight, bias, targets, *options)
     return logprobs, entropy if with_entropy else None

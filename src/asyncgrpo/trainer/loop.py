@@ -105,9 +105,11 @@ class PolicyTrainer:
         *,
         max_steps: int,
         temperature: float = 1.0,
+        top_p: float = 1.0,
         max_completion_length: int | None = None,
     ):
-        """`temperature`: the sampler's, divided out of the logits; `max_completion_length`:
+        """`temperature`, `top_p`: the sampler's, so the trainer's log-probs are those of the
+        distribution the engine sampled from (`trainer/logprobs.py`); `max_completion_length`:
         dr_grpo's constant length (None: the longest completion of each batch)."""
         self.model = model
         self.trainer_cfg = trainer
@@ -115,6 +117,7 @@ class PolicyTrainer:
         self.adv_cfg = advantage
         self.max_steps = max_steps
         self.temperature = temperature
+        self.top_p = top_p
         self.max_completion_length = max_completion_length
         self.bf16_autocast = trainer.use_bf16_autocast()
         enable_packed_attention(model)
@@ -202,6 +205,7 @@ class PolicyTrainer:
                 sequences,
                 prompt_lengths=[len(r.prompt_ids) for r in rollouts],
                 temperature=self.temperature,
+                top_p=self.top_p,
                 with_entropy=True,
             )
         logprobs, mask = pad_ragged([lp.float() for lp in out.logprobs])  # (B, T)

@@ -211,11 +211,13 @@ def packed_token_logprobs(
     share_prefix: bool = True,
     attention: str = "segments",
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    top_p: float = 1.0,
 ) -> PackedLogProbs:
     """Per-sequence log-probs (and entropies) of the completion tokens, one packed forward.
 
     `attention="segments"` needs `enable_packed_attention(model)`; `"mask"` passes
     the dense block mask and works with any 4D-mask implementation (sdpa, eager).
+    `top_p < 1`: under the sampler's nucleus, see `trainer/logprobs.py`.
     """
     packed = pack_sequences(seqs, prompt_lengths, share_prefix)
     if packed.rows.numel() == 0:  # no completion tokens: nothing to forward
@@ -242,6 +244,7 @@ def packed_token_logprobs(
         temperature,
         with_entropy,
         chunk_rows,
+        top_p,
     )
     return PackedLogProbs(
         logprobs=list(logprobs.split(packed.counts)),

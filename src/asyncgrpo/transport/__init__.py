@@ -40,8 +40,14 @@ class WeightTransport(Protocol):
         ...
 
 
-def make_transport(kind: str, client, **options) -> WeightTransport:
-    """`kind` is "shm", "disk" or "http"; `client` is an `EngineClient`."""
+def make_transport(kind: str, client, weights_dir: str | None = None, **options) -> WeightTransport:
+    """`kind` is "shm", "disk" or "http"; `client` is an `EngineClient`.
+
+    `weights_dir`: the engine's `weights_dir`, where the disk transport must write (the
+    engine reads only there); None keeps each transport's default.
+    """
+    if kind == "disk" and weights_dir:
+        options.setdefault("directory", weights_dir)
     if kind == "shm":
         from asyncgrpo.transport.shm import ShmTransport
 

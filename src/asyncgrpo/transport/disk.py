@@ -4,6 +4,10 @@ Matches vLLM's disk backend: the engine is told a directory and loads every
 `*.safetensors` file in it. Useful across containers that share a volume, or to
 keep a copy of what was published. The file is written beside its final name
 and renamed into place, so the engine never reads a half-written file.
+
+The engine reads only regular files under its `engine.weights_dir` (give that
+directory here), or by default in an `asyncgrpo-weights-*` directory of its temp
+directory, which is what this transport creates when given none.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from asyncgrpo.transport.base import FourStepTransport
 from asyncgrpo.transport.layout import Layout, plan_layout, write_image
 
 WEIGHTS_FILE = "model.safetensors"
+# the engine reads disk weights only from such directories in its temp dir (or engine.weights_dir)
+DIRECTORY_PREFIX = "asyncgrpo-weights-"
 
 
 def write_safetensors_file(
@@ -42,7 +48,7 @@ class DiskTransport(FourStepTransport):
     def __init__(self, client, directory: str | Path | None = None):
         super().__init__(client)
         self._owned = directory is None
-        self.directory = Path(directory or tempfile.mkdtemp(prefix="asyncgrpo-weights-"))
+        self.directory = Path(directory or tempfile.mkdtemp(prefix=DIRECTORY_PREFIX))
         self.directory.mkdir(parents=True, exist_ok=True)
 
     async def send(self, tensors: list[tuple[str, torch.Tensor]]) -> None:

@@ -6,7 +6,9 @@ the tensors into its parameters. Only names, dtypes, shapes and offsets cross
 the socket, as JSON. The segment is reused while the set of tensors keeps the
 same layout, allocated up front with `posix_fallocate` (a full tmpfs fails
 loudly here instead of with SIGBUS mid-copy) and unlinked by `close()` or, at
-the latest, when the interpreter exits.
+the latest, when the interpreter exits. The engine maps only regular files named
+`SEGMENT_PREFIX*` directly in its `shm_directory()`, so the default directory is
+the only one that works with a server.
 """
 
 from __future__ import annotations
