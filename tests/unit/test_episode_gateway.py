@@ -67,6 +67,7 @@ class ScriptedEngine:
 
     class config:
         max_num_seqs = 4
+        max_request_sequences = 256
 
     def __init__(self, tokenizer, replies=(), delay: float = 0.0):
         self.tokenizer = tokenizer

@@ -21,7 +21,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.types import MAX_TOP_LOGPROBS, EngineError, SamplingParams
 
 MAX_TEMPLATE_KWARGS = 16
@@ -61,13 +60,12 @@ class RequestLimits:
     @classmethod
     def of(cls, engine) -> RequestLimits:
         config = engine.config
-        # an engine configured without this field (a test fake) gets the documented default
-        per_request = getattr(
-            config,
-            "max_request_sequences",
-            EngineConfig.model_fields["max_request_sequences"].default,
+        return cls(
+            engine.max_model_len,
+            engine.vocab_size,
+            config.max_num_seqs,
+            config.max_request_sequences,
         )
-        return cls(engine.max_model_len, engine.vocab_size, config.max_num_seqs, per_request)
 
 
 def check_sequences(prompts: int, n: int, limits: RequestLimits) -> None:
