@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="need
 LIMIT = 32
 HEADER_TIMEOUT = 2.0
 KEEP_ALIVE = 1.0
+BODY_TIMEOUT = 3.0
 LOW_SOFT_FD_LIMIT = 512  # the child starts with this; `serve` must raise it
 
 
@@ -42,6 +43,7 @@ def engine(tiny_model_dir, tmp_path_factory):
         max_connections=LIMIT,
         header_timeout_s=HEADER_TIMEOUT,
         keep_alive_timeout_s=KEEP_ALIVE,
+        body_timeout_s=BODY_TIMEOUT,
     )
     proc = EngineProcess(cfg, log_path=tmp_path_factory.mktemp("serve") / "serve.log")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -164,6 +166,34 @@ def test_when_every_connection_is_busy_a_new_one_gets_503(engine):
     assert httpx.get(f"{engine.base_url}/health", timeout=5).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "framing, partial",
+    [
+        (b"content-length: 100\r\n", b'{"prompt": "a'),
+        (b"transfer-encoding: chunked\r\n", b'5\r\n{"pro\r\n'),
+    ],
+    ids=["content-length", "chunked"],
+)
+def test_a_body_that_stops_coming_gets_408_and_the_connection_closes(engine, framing, partial):
+    sock = connect(engine.port)
+    sent = time.monotonic()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        + framing
+        + b"\r\n"
+        + partial
+    )
+    try:
+        answer = read_until_closed(sock, sent + BODY_TIMEOUT + 5)
+    finally:
+        sock.close()
+    assert answer is not None, "the server kept a connection whose body never came"
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"engine.body_timeout_s" in answer
+    assert time.monotonic() - sent >= BODY_TIMEOUT - 0.5  # not refused before its deadline
+    assert httpx.get(f"{engine.base_url}/health", timeout=5).status_code == 200
+
+
 def local_port(response: httpx.Response) -> int:
     return response.extensions["network_stream"].get_extra_info("client_addr")[1]
 
@@ -189,3 +219,23 @@ def test_keep_alive_clients_reconnect_after_the_server_closes_an_idle_connection
                 await asyncio.sleep(KEEP_ALIVE + 0.5)
 
     asyncio.run(scenario())
+
+
+def test_the_body_deadline_ends_with_the_body():
+    """A streaming route waits on `receive` for a disconnect long after its body: no deadline."""
+    from asyncgrpo.server.limits import BodyDeadline
+
+    async def scenario():
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(0.3)  # longer than the deadline below
+            return {"type": "http.disconnect"}
+
+        deadline_receive = BodyDeadline(receive, timeout_s=0.1, per_piece=False)
+        assert (await deadline_receive())["body"] == b"{}"
+        return await deadline_receive()
+
+    assert asyncio.run(scenario())["type"] == "http.disconnect"

@@ -87,6 +87,10 @@ class EngineConfig(Section):
     header_timeout_s: float = Field(10.0, gt=0)
     """A request header must be complete this long after the connection opens (or after its
     first byte following a keep-alive wait); otherwise 408 and the connection is closed."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """A request body must be complete this long after its header, or the answer is 408 and
+    the connection is closed. On /update_weights (gigabytes over the `http` transport) it
+    bounds the wait for each next piece of the body instead."""
     weights_dir: str | None = None
     """Directory the `disk` weight transport's files must lie under (symlinks resolved);
     None: a directory named `asyncgrpo-weights-*` in the engine's temp directory, where the

@@ -48,6 +48,8 @@ class ServerSettings:
     """Calls one episode may make, whatever the episode asked for when it was opened."""
     weights_dir: str | None = None
     """Where the `disk` weight backend may read (see `EngineConfig.weights_dir`)."""
+    body_timeout_s: float = 30.0
+    """Deadline of a request body after its header (per piece on /update_weights)."""
 
     @classmethod
     def from_config(
@@ -63,6 +65,7 @@ class ServerSettings:
             max_open_episodes=cfg.max_open_episodes,
             episode_idle_timeout_s=cfg.episode_idle_timeout_s,
             weights_dir=cfg.weights_dir,
+            body_timeout_s=cfg.body_timeout_s,
         )
 
 
@@ -95,5 +98,7 @@ def create_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         BodyLimitMiddleware,
         default_limit=settings.max_body_bytes,
         limits={"/update_weights": settings.max_weight_body_bytes},
+        timeout_s=settings.body_timeout_s,
+        per_piece=("/update_weights",),
     )
     return app
