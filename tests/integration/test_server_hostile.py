@@ -210,6 +210,15 @@ def test_lone_surrogates_are_a_400_not_a_500(server):
     refused(post(server, "/v1/completions", stop), "stop", "surrogate")
     unknown_model = post(server, "/v1/completions", {"prompt": [1], "model": surrogate})
     assert unknown_model.status_code == 404 and "does not exist" in unknown_model.text
+    admin = {"Authorization": f"Bearer {server.admin_token}"}
+    episode = httpx.post(f"{server.base_url}/episodes", headers=admin).json()
+    on_episode = httpx.post(
+        f"{server.base_url}{episode['base_path']}/chat/completions",
+        headers={"Authorization": f"Bearer {episode['api_key']}"},
+        content=json.dumps(chat),
+        timeout=10,
+    )
+    refused(on_episode, "messages", "surrogate")
     still_serves(server)
 
 

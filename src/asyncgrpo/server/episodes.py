@@ -312,10 +312,7 @@ async def episode_chat(episode_id: str, request: Request):
     episode.active += 1
     try:
         raw = await request.body()
-        try:
-            body = ChatCompletionRequest.model_validate_json(raw)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from None
+        body = parse_chat_body(raw)
         openai_routes.check_model(request, body.model)
         body.check(RequestLimits.of(request.app.state.engine))
         digest = body_digest(raw)
@@ -335,6 +332,20 @@ async def episode_chat(episode_id: str, request: Request):
         episode.active -= 1
         episode.last_used = request.app.state.episodes.clock()
     return openai_routes.stream_of(response, body.include_usage) if body.stream else response
+
+
+def parse_chat_body(raw: bytes) -> ChatCompletionRequest:
+    """Parsed as the OpenAI routes parse theirs (`json.loads`, which keeps a lone surrogate
+    for the checks to refuse with a 400 that names it)."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:  # also a body that is not UTF-8; a 422 as FastAPI's routes give
+        error = {"type": "json_invalid", "loc": ("body",), "msg": f"JSON decode error: {exc}"}
+        raise RequestValidationError([error]) from None
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
 
 
 async def run_turn(request: Request, episode: Episode, body: ChatCompletionRequest) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import math
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -123,6 +124,8 @@ def episode_prompt_ids(
     """
     templated = [m.for_template() for m in request.messages]
     check_text_fits(tokenizer, content_chars(templated), "messages", limits.max_model_len)
+    # the renderer tokenizes inside: refuse what no tokenizer takes before it is called
+    refuse_lone_surrogates("messages", [json.dumps(templated, ensure_ascii=False)])
     try:
         return next_prompt_ids(
             builder, messages, tokenizer, request.tools, request.chat_template_kwargs
