@@ -30,7 +30,7 @@ from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.backend import EngineDied
 from asyncgrpo.backend.external import ExternalBackend
 from asyncgrpo.config import EngineConfig
-from asyncgrpo.testing import even_token_reward, tiny_prompt_rows
+from asyncgrpo.testing import engine_children, even_token_reward, tiny_prompt_rows
 from asyncgrpo.trainer import loop as trainer_loop
 
 ENGINE_SETTINGS = {"max_model_len": 128}
@@ -149,23 +149,6 @@ def test_an_external_engine_that_stalls_in_a_sync_ends_it_with_a_clear_error(
     assert "did not finish within 2 s (engine.sync_timeout_s); it was pausing the engine" in message
     assert f"the engine at {server.base_url} is stalled" in message
     assert "weight sync to the engine has taken" in caplog.text  # said while it waited
-
-
-def engine_children() -> list[int]:
-    """Pids of `asyncgrpo.cli serve` processes whose parent is this process."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and "asyncgrpo.cli serve" in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 def test_an_engine_stopped_before_a_weight_sync_is_restarted_and_the_run_finishes(

@@ -31,7 +31,12 @@ import yaml
 from safetensors.torch import load_file
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.testing import even_token_reward, failing_on_flag_reward, tiny_prompt_rows
+from asyncgrpo.testing import (
+    engine_children,
+    even_token_reward,
+    failing_on_flag_reward,
+    tiny_prompt_rows,
+)
 from asyncgrpo.trainer import loop as trainer_loop
 
 
@@ -248,23 +253,6 @@ def test_async_run_bounds_staleness_and_accounts_for_every_group(
     checkpoint = load_file(run_dir / "checkpoints" / "step-000008" / "model.safetensors")
     assert final.keys() == checkpoint.keys()
     assert all(torch.equal(final[k], checkpoint[k]) for k in final)
-
-
-def engine_children() -> list[int]:
-    """Pids of `asyncgrpo.cli serve` processes whose parent is this process."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and "asyncgrpo.cli serve" in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 def test_killed_engine_is_restarted_and_no_group_is_lost(tmp_path, tiny_model_dir, monkeypatch):

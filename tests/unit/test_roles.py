@@ -514,6 +514,8 @@ class AbortingClient:
 
 
 class FakeRewards:
+    names = ["index"]  # one reward function: each completion's position
+
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 

@@ -89,9 +89,10 @@ class SingleTurnBuilder:
         scored = sum(any(x is not None for x in r.rewards) for r in rollouts)
         if scored >= 2:
             return
-        names = getattr(self.rewards, "names", None) or []
         silent = [
-            name for j, name in enumerate(names) if all(r.rewards[j] is None for r in rollouts)
+            name
+            for j, name in enumerate(self.rewards.names)
+            if all(r.rewards[j] is None for r in rollouts)
         ]
         raise GroupDropped(
             "no_reward",

@@ -156,7 +156,6 @@ class GenerationRequest(BaseModel):
 
     def check(self, limits: RequestLimits, prompts: int = 1) -> None:
         """Refuse bad values (400 naming the field) before any work is done for the request."""
-        self.refuse_unsupported()
         _require_at_least_one("max_tokens", self.max_tokens)
         requested = self.requested_max_tokens()
         max_tokens = 1 if requested is None else requested  # the default depends on the prompt

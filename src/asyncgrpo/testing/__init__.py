@@ -8,6 +8,7 @@ model directory that every component (engine, trainer) loads like a real one.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CHAT_TEMPLATE = (
@@ -132,3 +133,20 @@ def tiny_prompt_rows(count: int, fail_every: int = 0) -> list[dict]:
         }
         for i in range(count)
     ]
+
+
+def engine_children() -> list[int]:
+    """Pids of `asyncgrpo.cli serve` processes whose parent is this process."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and "asyncgrpo.cli serve" in cmdline:
+            pids.append(int(entry.name))
+    return pids
