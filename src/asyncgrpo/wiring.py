@@ -81,7 +81,7 @@ def build_run(
 
     model_dir = _model_dir(cfg, model, run_dir)
     engine_cfg = cfg.engine.model_copy(update={"model": cfg.engine.model or model_dir})
-    engine = make_backend(engine_cfg, run_dir)
+    engine = make_backend(engine_cfg, run_dir, episodes=agent)
     engine.launch()  # the engine loads its copy of the model while this process loads its own
     rewards = None
     try:

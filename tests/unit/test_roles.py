@@ -79,6 +79,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.client = FakeClient()
         self.restarts = 0
+        self.sync_timings: dict[str, float] = {}
         self.version = 0
         self.syncs: list[tuple[int, str]] = []  # (version, mode) of every sync_weights call
         self.synced_weights: list[dict[str, torch.Tensor]] = []
@@ -105,6 +106,7 @@ class FakeEngine:
         self.syncs.append((version, mode))
         self.synced_weights.append({name: t.clone() for name, t in weights})
         self.version = version
+        self.sync_timings = {"pause_s": 0.001 * version}
 
     async def close(self) -> None:
         self.closed = True
@@ -254,6 +256,10 @@ def test_run_loop_with_fake_roles_trains_max_steps_within_bounds(
         [float(v + i) for i in range(4)] for v in expected
     ]
     assert engine.layout is not None and engine.closed
+    # each step's row carries the pause time of the engine's latest sync
+    logged = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+    last_sync = [max(v for v in expected if v <= row["step"]) for row in logged]
+    assert [row["engine_pause_s"] for row in logged] == [0.001 * v for v in last_sync]
 
     # every trained group respects the staleness bound; no position is trained twice
     for version, groups in trainer.steps:

@@ -152,9 +152,7 @@ async def run_episode(
     except EngineUnavailableError as exc:  # a 4xx (no gateway there, bad token) is raised
         return EpisodeOutcome(None, StopReason.INFRA_ERROR, [], error=_describe(exc))
     episode_id = opened["episode_id"]
-    llm = LLM(
-        client.base_url + opened["base_path"], opened["api_key"], opened["model"], call_timeout_s
-    )
+    llm = LLM(opened["base_url"], opened["api_key"], opened["model"], call_timeout_s)
     ended = await _run_rollout(client, episode_id, rollout_fn, task, llm, episode_timeout_s)
     reward, reason, failures, _, _ = ended
     try:

@@ -5,7 +5,11 @@ restarts it when it dies, gives the orchestrator a client, and publishes
 weights to it. `make_backend` picks the implementation from `engine.type`:
 
 - `embedded` (`embedded.py`): `asyncgrpo serve` as a supervised child process;
-- `external` (`external.py`): a server someone else runs, at `engine.base_url`.
+- `external` (`external.py`): a server someone else runs, at `engine.base_url`;
+- `vllm` (`asyncgrpo.vllm.backend`): a vLLM server, launched or attached to.
+
+With `engine.replicas` > 1, `replicas.py` spreads the work over that many
+backends of the type and syncs all of them.
 """
 
 from __future__ import annotations
@@ -16,17 +20,42 @@ from asyncgrpo.backend.base import EngineBackend, EngineDied
 from asyncgrpo.config import EngineConfig
 
 
-def make_backend(cfg: EngineConfig, run_dir: Path) -> EngineBackend:
-    """The backend of `cfg.type` (not started: call `launch`, then `wait_ready`)."""
+def make_backend(cfg: EngineConfig, run_dir: Path, episodes: bool = False) -> EngineBackend:
+    """The backend of `cfg.type` (not started: call `launch`, then `wait_ready`).
+
+    `episodes`: the run's agents need the episode gateway (a vLLM engine then gets one).
+    """
+    if cfg.replicas == 1:
+        return make_one_backend(cfg, run_dir / "engine.log", episodes=episodes)
+    from asyncgrpo.backend.replicas import ReplicaBackend
+
+    return ReplicaBackend(
+        [
+            make_one_backend(cfg, run_dir / f"engine-{i}.log", i, episodes)
+            for i in range(cfg.replicas)
+        ]
+    )
+
+
+def make_one_backend(
+    cfg: EngineConfig, log_path: Path, replica: int = 0, episodes: bool = False
+) -> EngineBackend:
+    """One engine of `cfg.type`; `replica` numbers it among `cfg.replicas`."""
     if cfg.type == "embedded":
         from asyncgrpo.backend.embedded import EmbeddedBackend
 
-        return EmbeddedBackend(cfg, log_path=run_dir / "engine.log")
+        return EmbeddedBackend(cfg, log_path=log_path)
     if cfg.type == "external":
+        if cfg.replicas > 1:
+            raise ValueError("engine.replicas: type external attaches to one server")
         from asyncgrpo.backend.external import ExternalBackend
 
         return ExternalBackend(cfg)
+    if cfg.type == "vllm":
+        from asyncgrpo.vllm.backend import VLLMBackend
+
+        return VLLMBackend(cfg, log_path=log_path, replica=replica, episodes=episodes)
     raise ValueError(f"unknown engine.type {cfg.type!r}")
 
 
-__all__ = ["EngineBackend", "EngineDied", "make_backend"]
+__all__ = ["EngineBackend", "EngineDied", "make_backend", "make_one_backend"]

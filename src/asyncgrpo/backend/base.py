@@ -52,6 +52,10 @@ class EngineBackend(Protocol):
     restarts: int
     """Times the engine was restarted after dying."""
 
+    sync_timings: dict[str, float]
+    """Seconds of the last weight sync's steps, as `publish` measures them (`pause_s`:
+    the pause call, `paused_s`: from paused to resumed); empty before the first."""
+
     @property
     def base_urls(self) -> list[str]:
         """Where the engine(s) answer (agents' per-episode URLs are built on these)."""
@@ -98,17 +102,26 @@ async def publish(
     *,
     timeout_s: float,
     gone: Callable[[], bool] = lambda: False,
+    timings: dict[str, float] | None = None,
 ) -> None:
     """The sync on one engine (pause, send and finish with `version`, resume) within
-    `timeout_s`: `SyncTimeout` after it, `EngineGone` as soon as `gone()` is true."""
+    `timeout_s`: `SyncTimeout` after it, `EngineGone` as soon as `gone()` is true.
+    `timings`, if given, receives the seconds of each step (`pause_s`, `transfer_s`,
+    `resume_s`) and the engine's paused time (`paused_s`, from pause to resumed)."""
     step = ["pausing the engine"]  # where the sync is, for the messages
+    times = {} if timings is None else timings
 
     async def steps() -> None:
+        t0 = time.monotonic()
         await client.pause(mode)
+        t1 = time.monotonic()
         step[0] = "sending the weights"
         await transport.publish(weights, version)
+        t2 = time.monotonic()
         step[0] = "resuming the engine"
         await client.resume()
+        t3 = time.monotonic()
+        times.update(pause_s=t1 - t0, transfer_s=t2 - t1, resume_s=t3 - t2, paused_s=t3 - t1)
 
     task = asyncio.ensure_future(steps())
     start = time.monotonic()

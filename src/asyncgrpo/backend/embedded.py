@@ -42,6 +42,7 @@ class EmbeddedBackend:
             cfg.weight_transport, self.client, weights_dir=cfg.weights_dir
         )
         self._restart_lock = asyncio.Lock()
+        self.sync_timings: dict[str, float] = {}
 
     @property
     def restarts(self) -> int:
@@ -87,6 +88,7 @@ class EmbeddedBackend:
                     mode,
                     timeout_s=self.cfg.sync_timeout_s,
                     gone=lambda: not self.process.alive(),
+                    timings=self.sync_timings,
                 )
             except EngineGone as exc:
                 logger.warning("%s (attempt %d)", exc, attempt + 1)

@@ -32,6 +32,7 @@ class ExternalBackend:
         self.transport = make_transport(
             cfg.weight_transport, self.client, weights_dir=cfg.weights_dir
         )
+        self.sync_timings: dict[str, float] = {}
 
     @property
     def base_urls(self) -> list[str]:
@@ -52,7 +53,15 @@ class ExternalBackend:
     async def sync_weights(self, weights: NamedTensors, version: int, mode: str) -> None:
         try:
             timeout_s = self.cfg.sync_timeout_s
-            await publish(self.client, self.transport, weights, version, mode, timeout_s=timeout_s)
+            await publish(
+                self.client,
+                self.transport,
+                weights,
+                version,
+                mode,
+                timeout_s=timeout_s,
+                timings=self.sync_timings,
+            )
         except SyncTimeout as exc:
             raise EngineDied(
                 f"{exc}: the engine at {self.client.base_url} is stalled; it is not ours to "

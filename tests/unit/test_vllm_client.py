@@ -1,0 +1,284 @@
+"""`VLLMClient` against a scripted vLLM (httpx.MockTransport): what it sends, what it reads;
+and the command line and environment `VLLMServer` starts vLLM with (nothing is started)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from asyncgrpo.client import EngineProtocolError
+from asyncgrpo.client.retry import EngineUnavailableError, RetryPolicy
+from asyncgrpo.config import EngineConfig
+from asyncgrpo.vllm.client import GENERATE_PATH, VLLMClient, expand_spans, parse_version
+from asyncgrpo.vllm.launcher import PLUGIN_DIR, VLLMServer, VLLMServerError
+
+
+def choice(token_ids, spans, index=0, finish="length", logprob_ids=None):
+    content = [
+        {"token_id": t, "logprob": -0.5 * (i + 1)} for i, t in enumerate(logprob_ids or token_ids)
+    ]
+    return {
+        "index": index,
+        "token_ids": token_ids,
+        "finish_reason": finish,
+        "stop_reason": None,
+        "weight_versions": spans,
+        "logprobs": {"content": content},
+    }
+
+
+class ScriptedVLLM:
+    """Records every request; answers from `routes` (path -> response or list of them)."""
+
+    def __init__(self, routes: dict):
+        self.routes = routes
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        answer = self.routes.get(request.url.path, httpx.Response(200, json={}))
+        if isinstance(answer, list):
+            answer = answer.pop(0)
+        return answer
+
+    def bodies(self, path: str) -> list:
+        return [json.loads(r.content or b"null") for r in self.requests if r.url.path == path]
+
+    def paths(self) -> list[str]:
+        return [r.url.path for r in self.requests]
+
+
+def make_client(server: ScriptedVLLM, **kwargs) -> VLLMClient:
+    retry = RetryPolicy(deadline=5, max_attempts=3, base_backoff=0.001)
+    client = VLLMClient("http://vllm.test", retry=retry, **kwargs)
+    transport = httpx.MockTransport(server)
+    client._http = httpx.AsyncClient(transport=transport)
+    client._control_http = httpx.AsyncClient(transport=transport)
+    return client
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_spans_expand_to_one_version_per_token():
+    spans = [{"version": "3", "start": 2, "end": 5}, {"version": "default", "start": 0, "end": 2}]
+    assert expand_spans(spans, 5) == [0, 0, 3, 3, 3]
+    assert expand_spans([], 0) == [] and expand_spans(None, 0) == []
+    assert parse_version("default") == 0 and parse_version("17") == 17
+
+
+@pytest.mark.parametrize(
+    "spans, n",
+    [
+        ([{"version": "v1", "start": 0, "end": 2}], 2),  # not an integer
+        ([{"version": "-1", "start": 0, "end": 2}], 2),
+        ([{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 2, "end": 3}], 3),
+        ([{"version": "1", "start": 0, "end": 2}], 3),  # covers too few tokens
+        (None, 2),  # a server without --enable-scale-out
+    ],
+)
+def test_bad_spans_are_protocol_errors(spans, n):
+    with pytest.raises(EngineProtocolError):
+        expand_spans(spans, n)
+
+
+def test_complete_sends_token_ids_and_vllm_sampling_params():
+    server = ScriptedVLLM({})
+    server.routes[GENERATE_PATH] = httpx.Response(
+        200,
+        json={
+            "choices": [
+                choice([7, 8, 9], [{"version": "default", "start": 0, "end": 3}], index=1),
+                choice([4], [{"version": "2", "start": 0, "end": 1}], index=0, finish="stop"),
+            ]
+        },
+    )
+    client = make_client(server)
+    completion = run(
+        client.complete(
+            [1, 2, 3], n=2, max_tokens=3, temperature=0.7, top_p=0.9, top_k=-1,
+            stop=["\n\n"], stop_token_ids=[5], ignore_eos=True,
+        )
+    )  # fmt: skip
+    (body,) = server.bodies(GENERATE_PATH)
+    assert body == {
+        "token_ids": [1, 2, 3],
+        "sampling_params": {
+            "n": 2,
+            "max_tokens": 3,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 0,  # vLLM's "off"
+            "ignore_eos": True,
+            "logprobs": 0,
+            "stop": ["\n\n"],
+            "stop_token_ids": [5],
+        },
+    }
+    first, second = completion.samples
+    assert first.token_ids == [4] and first.weight_versions == [2] and first.finish_reason == "stop"
+    assert second.token_ids == [7, 8, 9] and second.weight_versions == [0, 0, 0]
+    assert second.logprobs == [-0.5, -1.0, -1.5]
+    assert completion.prompt_token_ids == [1, 2, 3]
+
+
+def test_logprobs_of_other_tokens_are_a_protocol_error():
+    spans = [{"version": "1", "start": 0, "end": 2}]
+    answer = {"choices": [choice([7, 8], spans, logprob_ids=[7, 9])]}
+    client = make_client(ScriptedVLLM({GENERATE_PATH: httpx.Response(200, json=answer)}))
+    with pytest.raises(EngineProtocolError, match="log-probs of other tokens"):
+        run(client.complete([1]))
+
+
+def test_seeds_are_dropped_with_one_warning_unless_the_server_has_a_gpu(caplog):
+    answer = {"choices": [choice([7], [{"version": "default", "start": 0, "end": 1}])]}
+    server = ScriptedVLLM({GENERATE_PATH: [httpx.Response(200, json=answer) for _ in range(3)]})
+    client = make_client(server)
+    run(client.complete([1], seed=1))
+    run(client.complete([1], seed=2))
+    client.send_seed = True
+    run(client.complete([1], seed=3))
+    seeds = [body["sampling_params"].get("seed") for body in server.bodies(GENERATE_PATH)]
+    assert seeds == [None, None, 3]
+    assert caplog.text.count("seeds are not sent") == 1
+
+
+def test_weight_update_in_vllms_dialect():
+    server = ScriptedVLLM(
+        {
+            "/reset_prefix_cache": httpx.Response(200, json={"success": True}),
+            "/weight_info": httpx.Response(200, json={"weight_version": "7"}),
+        }
+    )
+    client = make_client(server, weights_dir="/data/weights")
+
+    async def sync(version):
+        await client.init_weight_transfer_engine("shm")
+        await client.start_weight_update()
+        await client.update_weights({"path": "/dev/shm/asyncgrpo-weights-1.safetensors"})
+        await client.finish_weight_update(version)
+
+    run(sync(7))
+    run(sync(8))
+    client.forget_transfer_engine()
+    run(sync(9))
+    assert (
+        server.bodies("/init_weight_transfer_engine")
+        == [{"init_info": {"weights_dir": "/data/weights"}}] * 2
+    )  # once per server process
+    assert server.bodies("/finish_weight_update") == [
+        {"weight_version": "7"},
+        {"weight_version": "8"},
+        {"weight_version": "9"},
+    ]
+    paths = server.paths()
+    assert paths[paths.index("/finish_weight_update") + 1] == "/reset_prefix_cache"
+    assert server.bodies("/start_weight_update") == [None] * 3
+    assert run(client.weight_version()) == 7
+
+
+def test_new_requests_are_salted_with_the_version_after_a_sync():
+    answer = {"choices": [choice([7], [{"version": "4", "start": 0, "end": 1}])]}
+    server = ScriptedVLLM({GENERATE_PATH: [httpx.Response(200, json=answer) for _ in range(2)]})
+    client = make_client(server)
+    run(client.complete([1]))
+    run(client.finish_weight_update(4))
+    run(client.complete([1]))
+    salts = [body.get("cache_salt") for body in server.bodies(GENERATE_PATH)]
+    assert salts == [None, "asyncgrpo-v4"]
+
+
+def test_generation_is_retried_through_a_dying_server_but_control_calls_are_not():
+    answer = {"choices": [choice([7], [{"version": "default", "start": 0, "end": 1}])]}
+    dying = httpx.Response(500, json={"error": {"message": "EngineCore encountered an issue"}})
+    server = ScriptedVLLM(
+        {
+            GENERATE_PATH: [dying, httpx.Response(200, json=answer)],
+            "/update_weights": [dying, httpx.Response(200, json={})],
+        }
+    )
+    client = make_client(server)
+    assert run(client.complete([1])).samples[0].token_ids == [7]
+    with pytest.raises(EngineUnavailableError, match="EngineCore encountered an issue"):
+        run(client.update_weights({"path": "x"}))
+    assert server.paths().count("/update_weights") == 1
+
+
+def test_refused_connections_are_retried_until_the_server_is_back():
+    answer = {"choices": [choice([7], [{"version": "default", "start": 0, "end": 1}])]}
+    attempts = []
+
+    def flaky(request):
+        attempts.append(request)
+        if len(attempts) < 3:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json=answer)
+
+    client = make_client(ScriptedVLLM({}))
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(flaky))
+    assert run(client.complete([1])).samples[0].token_ids == [7]
+    assert len(attempts) == 3
+
+
+def test_control_routes_and_info():
+    server = ScriptedVLLM(
+        {
+            "/abort_requests": httpx.Response(200, json={"status": "aborted", "aborted": 2}),
+            "/is_paused": httpx.Response(200, json={"is_paused": True}),
+            "/weight_info": httpx.Response(200, json={"weight_version": "default"}),
+            "/health": [httpx.Response(503), httpx.Response(200)],
+        }
+    )
+    client = make_client(server)
+    assert run(client.abort_requests()) == 2
+    assert server.bodies("/abort_requests") == [{}]  # vLLM needs a JSON object
+    run(client.pause("keep"))
+    assert server.requests[-1].url.params["mode"] == "keep"
+    assert run(client.server_info()) == {"weight_version": 0, "is_paused": True}
+    assert run(client.engine_dead()) and not run(client.engine_dead())
+
+
+# ---- the launcher's command line -----------------------------------------------------
+
+
+def test_server_command_and_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    cfg = EngineConfig(
+        type="vllm",
+        model=str(tmp_path),
+        vllm_python="/bin/sh",  # any executable: nothing is started
+        dtype="bfloat16",
+        max_model_len=512,
+        served_model_name="policy",
+        vllm_args=["--enforce-eager"],
+    )
+    server = VLLMServer(cfg)
+    command = server.command()
+    assert command[:3] == ["/bin/sh", "-m", "vllm.entrypoints.openai.api_server"]
+
+    def option(flag: str) -> str:
+        return command[command.index(flag) + 1]
+
+    assert option("--served-model-name") == "policy" and option("--host") == "127.0.0.1"
+    assert option("--port") == str(server.port) and option("--dtype") == "bfloat16"
+    assert option("--logprobs-mode") == "processed_logprobs" and option("--max-model-len") == "512"
+    assert json.loads(option("--weight-transfer-config")) == {"backend": "asyncgrpo_file"}
+    assert option("--worker-extension-cls").startswith("asyncgrpo_vllm_worker.")
+    assert "--enable-scale-out" in command and command[-1] == "--enforce-eager"
+    env = server.env()
+    assert env["PYTHONPATH"] == f"{PLUGIN_DIR}:/elsewhere" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    nccl = VLLMServer(cfg.model_copy(update={"weight_transport": "nccl"})).command()
+    assert json.loads(nccl[nccl.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+
+
+def test_a_missing_vllm_environment_is_a_clear_error(tmp_path, monkeypatch):
+    cfg = EngineConfig(type="vllm", model=str(tmp_path), vllm_python=str(tmp_path / "python"))
+    with pytest.raises(VLLMServerError, match="engine.vllm_python.*make test-vllm"):
+        VLLMServer(cfg)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(VLLMServerError, match="engine.vllm_python.*make test-vllm"):
+        VLLMServer(cfg.model_copy(update={"vllm_python": None}))

