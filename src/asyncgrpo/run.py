@@ -85,8 +85,10 @@ def continuous_training(r: RunContext, stop: threading.Event) -> None:
         r.consumed(groups)
         if r.step % cfg.coordinator.weight_sync_steps == 0:
             r.sync_weights()
-        r.checkpoint()
+        # the row first: a crash between the two then repeats the step on resume (the
+        # checkpoint is older) instead of losing its row (the checkpoint would be newer)
         progress.update(r.step, r.log(metrics, groups))
+        r.checkpoint()
     progress.close()
 
 
