@@ -187,7 +187,7 @@ def test_a_server_that_cannot_start_fails_fast_quoting_its_log(
 # server passes nothing through (no streamed tokens, no new requests, no pause)
 # until the request has finished; SmolLM2's ~40 ms steps leave it room.
 
-LONG = 200  # tokens: ~8 s of SmolLM2 on this CPU
+LONG = 400  # tokens: ~16 s of SmolLM2 on this CPU, room for a sync on a faster one
 
 
 def test_sync_mid_generation_splits_versions_at_the_reported_boundary(smollm2, loop):
@@ -202,10 +202,10 @@ def test_sync_mid_generation_splits_versions_at_the_reported_boundary(smollm2, l
 
     async def scenario():
         start = await backend.client.weight_version()
+        new = {k: v * 1.01 for k, v in state.items()}  # before generating: the sync must land mid-way
         backend.client._http.event_hooks["response"].append(keep_body)
         try:
             task = await start_generating(backend, LONG)
-            new = {k: v * 1.01 for k, v in state.items()}
             await backend.sync_weights(new.items(), start + 1, "keep")
             sample = (await task).samples[0]
         finally:
