@@ -1,4 +1,4 @@
-"""`asyncgrpo serve | train`: thin argument parsing over the entry functions.
+"""`asyncgrpo serve | train | export`: thin argument parsing over the entry functions.
 
 `serve` runs the embedded engine behind its HTTP server (what `EngineProcess`
 launches as a child, and what a user starts by hand to point other tools at);
@@ -9,7 +9,8 @@ Its settings are the fields of `EngineConfig` (a recipe's `engine:` section):
 flag (`--max-model-len 2048`) that overrides the file. The defaults are the
 model's own, so a recipe, `asyncgrpo serve` and `Engine` never disagree.
 The connection limits and timeouts (`server/connections.py`) are fields too.
-`train` hands over to `asyncgrpo.run.main`. Errors a user can fix (a wrong
+`train` hands over to `asyncgrpo.run.main`. `export` writes a run's trained policy as
+a model (or LoRA adapter) directory (`asyncgrpo.export`). Errors a user can fix (a wrong
 model path, a missing package, a bad value) print one line and exit non-zero,
 without a traceback.
 """
@@ -73,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "train", help="train from a recipe (see `asyncgrpo train --help`)", add_help=False
     )
+
+    export = commands.add_parser(
+        "export", help="write a run's trained model (or LoRA adapter) as a loadable directory"
+    )
+    export.add_argument("run_dir", help="the run directory (holds config.yaml, checkpoints/)")
+    export.add_argument("out_dir", help="where to write it (must not exist, or be empty)")
+    export.add_argument(
+        "--step", type=int, help="the checkpoint or weights snapshot of this step (default: newest)"
+    )
+    export.add_argument(
+        "--merged", action="store_true", help="LoRA runs: merge the adapter into the base model"
+    )
     return parser
 
 
@@ -129,6 +142,16 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def export(args: argparse.Namespace) -> int:
+    from asyncgrpo.export import ExportError, export_run
+
+    try:
+        print(export_run(args.run_dir, args.out_dir, step=args.step, merged=args.merged))
+    except ExportError as exc:
+        raise CliError(str(exc)) from None
+    return 0
+
+
 def build_engine(cfg: EngineConfig):
     """(engine, what generates): the embedded engine, or a vLLM server's with `upstream_url`."""
     from asyncgrpo.engine.types import EngineError
@@ -166,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return serve(args)
+        return export(args) if args.command == "export" else serve(args)
     except CliError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -23,13 +23,22 @@ from asyncgrpo.coordinator.buffer import BufferClosed
 from asyncgrpo.metrics import plot_run
 from asyncgrpo.metrics.progress import ProgressDisplay
 from asyncgrpo.run_context import RunAborted, RunContext, record_engine_busy
+from asyncgrpo.trainer.distributed import TrainerFailed, launched_rank
 from asyncgrpo.wiring import build_run
 
 logger = logging.getLogger(__name__)
 
 
 def train(cfg: RunConfig, *, resume: str | Path | None = None, **components) -> Path:
-    """Train until `max_steps` (or `max_time_s`, or a signal); return the run directory."""
+    """Train until `max_steps` (or `max_time_s`, or a signal); return the run directory.
+
+    Under torchrun / accelerate, ranks above 0 only train: they follow rank 0."""
+    launched = launched_rank()
+    if launched is not None and launched[0] > 0:
+        from asyncgrpo.trainer.follower import run_follower
+
+        run_follower(cfg)
+        return Path(resume) if resume else Path(cfg.output_dir) / cfg.name
     stop = _stop_on_signals()
     r: RunContext = build_run(cfg, resume=resume, **components)
     run_to_end(r, stop, resume=resume is not None)
@@ -150,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2
-    except RunAborted as exc:
+    except (RunAborted, TrainerFailed) as exc:
         print(f"run aborted: {exc}")
         return 1
-    print(f"run directory: {run_dir}")
+    if launched_rank() is None or launched_rank()[0] == 0:
+        print(f"run directory: {run_dir}")
     return 0

@@ -245,6 +245,7 @@ class RunContext:
         for close in self.closers:
             close()
         self.checkpoints.close()
+        self.trainer.close()  # a data-parallel trainer stops its other ranks
         self.tracker.close()
 
 

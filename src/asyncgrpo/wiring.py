@@ -68,7 +68,7 @@ def build_run(
     eval_dataset: Any = None,
     rollout_func: Any = None,
 ) -> RunContext:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
     agent = rollout_func is not None or cfg.agent.rollout is not None
@@ -80,15 +80,24 @@ def build_run(
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
 
     model_dir = _model_dir(cfg, model, run_dir)
-    engine_cfg = cfg.engine.model_copy(update={"model": cfg.engine.model or model_dir})
+    lora = cfg.model.lora
+    engine_cfg = cfg.engine.model_copy(
+        update={
+            "model": cfg.engine.model or model_dir,
+            "max_lora_rank": cfg.engine.max_lora_rank or (lora.r if lora else None),
+        }
+    )
     engine = make_backend(engine_cfg, run_dir, episodes=agent)
     engine.launch()  # the engine loads its copy of the model while this process loads its own
-    rewards = None
+    rewards = trainer = None
     try:
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if model is None or isinstance(model, str | Path):
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = (
+            load_policy(cfg, model_dir)
+            if model is None or isinstance(model, str | Path)
+            else prepare_policy(cfg, model.float())
+        )
         if train_dataset is None:
             train_dataset, loaded_eval = load_prompts(cfg.dataset, cfg.seed)
             eval_dataset = eval_dataset if eval_dataset is not None else loaded_eval
@@ -96,7 +105,7 @@ def build_run(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
         rewards = _rewards(cfg, funcs)
-        trainer = _trainer(cfg, model.float())
+        trainer = make_trainer(cfg, model, run_dir, model_dir)
         builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func)
         repeats = cfg.agent.eval_repeats if agent else 1  # sampled episodes: average some
         return assemble_run(
@@ -114,6 +123,8 @@ def build_run(
     except BaseException:
         if rewards is not None:
             rewards.close()
+        if trainer is not None:
+            trainer.close()
         asyncio.run(engine.close())
         raise
 
@@ -190,7 +201,60 @@ def assemble_run(
     )
 
 
-def _trainer(cfg: RunConfig, model: torch.nn.Module):
+def load_policy(cfg: RunConfig, model_dir: str) -> torch.nn.Module:
+    """The model to train, from a directory, in float32, prepared by `prepare_policy`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return prepare_policy(cfg, model)
+
+
+def prepare_policy(cfg: RunConfig, model: torch.nn.Module) -> torch.nn.Module:
+    """Gradient checkpointing and the LoRA adapter, as the recipe asks."""
+    if cfg.trainer.gradient_checkpointing:
+        _checkpoint_activations(model)
+    if cfg.model.lora is not None:
+        from asyncgrpo.trainer.lora import apply_lora
+
+        model = apply_lora(model, cfg.model.lora)
+    return model
+
+
+def _checkpoint_activations(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant: works with
+    frozen inputs under LoRA and with the packed forward's keyword arguments)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def make_trainer(cfg: RunConfig, model: torch.nn.Module, run_dir: Path, model_dir: str) -> Trainer:
+    """One process, or rank 0 of `trainer.num_processes` (or of a torchrun launch)."""
+    from asyncgrpo.trainer.distributed import launched_rank, start_world
+
+    core = policy_trainer(cfg, model)
+    launched = launched_rank()
+    size = launched[1] if launched else cfg.trainer.num_processes
+    if size == 1:
+        return core
+    from asyncgrpo.trainer.ranks import DataParallelTrainer
+
+    logger.info("starting %d trainer ranks (%s)", size, cfg.trainer.strategy)
+    param = next(model.parameters())
+    world = start_world(size, run_dir, model_dir, param, cfg.trainer.collective_timeout_s)
+    trainer = DataParallelTrainer(core, world, cfg.trainer.strategy)
+    try:
+        trainer.start()
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer
+
+
+def policy_trainer(cfg: RunConfig, model: torch.nn.Module):
+    """The one-process trainer of the recipe's `trainer`, `loss` and `advantage` sections."""
     from asyncgrpo.engine.sampling import GREEDY_BELOW
     from asyncgrpo.trainer.loop import PolicyTrainer
 

@@ -72,8 +72,3 @@ def test_a_sync_interval_the_staleness_bound_cannot_absorb_is_refused():
         load_config(None, ["coordinator.weight_sync_steps=3", "coordinator.max_staleness=1"])
     cfg = load_config(None, ["coordinator.weight_sync_steps=3", "coordinator.max_staleness=2"])
     assert cfg.coordinator.weight_sync_steps == 3
-
-
-def test_a_kl_penalty_is_refused_until_a_reference_model_exists():
-    with pytest.raises(ConfigError, match="loss.beta=0.1: a KL penalty needs a reference model"):
-        load_config(None, ["loss.beta=0.1"])

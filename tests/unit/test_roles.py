@@ -181,6 +181,9 @@ class FakeTrainer:
         self.version = state.version
         return state
 
+    def close(self) -> None:
+        self.closed = True
+
 
 def test_fakes_provide_every_protocol_member():
     engine = FakeEngine()

@@ -202,7 +202,8 @@ def test_sync_mid_generation_splits_versions_at_the_reported_boundary(smollm2, l
 
     async def scenario():
         start = await backend.client.weight_version()
-        new = {k: v * 1.01 for k, v in state.items()}  # before generating: the sync must land mid-way
+        # before generating: the sync must land mid-way
+        new = {k: v * 1.01 for k, v in state.items()}
         backend.client._http.event_hooks["response"].append(keep_body)
         try:
             task = await start_generating(backend, LONG)

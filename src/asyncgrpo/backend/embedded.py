@@ -17,7 +17,7 @@ from pathlib import Path
 
 from asyncgrpo.backend.base import EngineDied, EngineGone, NamedTensors, SyncTimeout, publish
 from asyncgrpo.client import EngineClient
-from asyncgrpo.client.retry import RetryPolicy
+from asyncgrpo.client.retry import EngineHTTPError, RetryPolicy
 from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.transport import make_transport
@@ -95,6 +95,9 @@ class EmbeddedBackend:
             except SyncTimeout as exc:
                 logger.error("%s: killing the engine process to restart it", exc)
                 await asyncio.to_thread(self.process.kill)  # SIGKILL works on a stopped one
+            except EngineHTTPError:  # a refused update changed nothing: do not stay paused
+                await self.client.resume()
+                raise
         raise EngineDied(
             f"weight sync failed {SYNC_ATTEMPTS} times: the engine died or missed "
             f"engine.sync_timeout_s ({self.cfg.sync_timeout_s:g} s) each time; see "

@@ -16,11 +16,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError
 
 from asyncgrpo.config.base import ConfigError, Section
 from asyncgrpo.config.engine import EngineConfig, resolve_dtype
-from asyncgrpo.config.rollout import AgentConfig, CoordinatorConfig, ModelConfig, RolloutConfig
+from asyncgrpo.config.rollout import (
+    AgentConfig,
+    CoordinatorConfig,
+    LoraConfig,
+    ModelConfig,
+    RolloutConfig,
+)
 from asyncgrpo.config.training import AdvantageConfig, LossConfig, TrainerConfig
 
 __all__ = [
@@ -30,6 +36,7 @@ __all__ = [
     "CoordinatorConfig",
     "EngineConfig",
     "LossConfig",
+    "LoraConfig",
     "ModelConfig",
     "RolloutConfig",
     "RunConfig",
@@ -80,15 +87,6 @@ class RunConfig(Section):
     loss: LossConfig = LossConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     trainer: TrainerConfig = TrainerConfig()
-
-    @model_validator(mode="after")
-    def _no_reference_model_yet(self) -> RunConfig:
-        if self.loss.beta > 0:
-            raise ValueError(
-                f"loss.beta={self.loss.beta}: a KL penalty needs a reference model, which the "
-                "trainer cannot load yet; set loss.beta to 0"
-            )
-        return self
 
 
 def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:

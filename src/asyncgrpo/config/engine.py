@@ -124,6 +124,13 @@ class EngineConfig(Section):
     trainer's disk transport writes by default. (`shm` segments must be
     `/dev/shm/asyncgrpo-weights-*` files.)"""
 
+    max_lora_rank: int | None = Field(None, ge=1)
+    """Rank of the LoRA adapters the engine receives; the run sets it to `model.lora.r`
+    when `model.lora` is set (None: full-weight syncs only). The embedded engine merges
+    each adapter into its weights and needs nothing more; a launched vLLM server gets
+    `--enable-lora` with this rank (rounded up to one vLLM accepts: 1, 8, 16, 32, 64,
+    ...) and samples every request with the latest adapter."""
+
     @model_validator(mode="after")
     def _check_vllm(self) -> EngineConfig:
         if self.weight_transport == "http" and self.type == "vllm":

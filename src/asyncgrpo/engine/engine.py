@@ -32,6 +32,13 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import torch
 
+from asyncgrpo.adapters import (
+    AdapterError,
+    AdapterMerge,
+    adapter_pairs,
+    check_against,
+    is_adapter_update,
+)
 from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.request import Request
@@ -127,6 +134,7 @@ class Engine(_EngineThread):
             config, self.runner, self.prefix_cache, self.tokenizer, self.eos_token_ids
         )
         self._params = dict(model.state_dict(keep_vars=True))
+        self._adapters = AdapterMerge(self._params, self.dtype)
         self._paused: PauseMode | None = None
         self._pause_waiters: list[Callable[[], None]] = []
         super().__init__()
@@ -262,23 +270,36 @@ class Engine(_EngineThread):
     ) -> None:
         """Copy tensors (state_dict names) into the model between two decode steps.
 
-        With `version`, the version stamp changes in the same engine command as
-        the weights, so no token is ever stamped with a version it was not
-        sampled by (even when the engine is not paused).
+        An update whose names are all LoRA adapter tensors (`asyncgrpo.adapters`) is
+        merged instead: each targeted weight becomes its base value plus B @ A. With
+        `version`, the version stamp changes in the same engine command as the weights,
+        so no token is ever stamped with a version it was not sampled by (even when the
+        engine is not paused). Everything is checked before anything is written.
         """
         staged = list(named_tensors)
-        _check_update(self._params, staged)
+        try:
+            pairs = adapter_pairs(staged) if is_adapter_update(n for n, _ in staged) else None
+            if pairs is not None:
+                check_against(pairs, self._params, _tied_names(self._params))
+        except AdapterError as exc:
+            raise EngineError(str(exc)) from None
+        if pairs is None:
+            _check_update(self._params, staged)
 
-        def copy_all():
+        def write():
+            if pairs is None:
+                self._adapters.forget(name for name, _ in staged)
+            writes = staged if pairs is None else self._adapters.merged(pairs)
             with torch.no_grad():
-                for name, tensor in staged:
+                for name, tensor in writes:
                     # round to the weight dtype first: a bf16 model stays a bf16 model
-                    # even when the engine computes in fp32
-                    self._params[name].copy_(tensor.to(self.dtype))
-            self.runner.weights_changed()
+                    # even when the engine computes in fp32 (copy_ rounds the same way)
+                    param = self._params[name]
+                    param.copy_(tensor if param.dtype == self.dtype else tensor.to(self.dtype))
+            self.runner.weights_changed([self._params[name] for name, _ in writes])
             self.scheduler.weights_changed(version)
 
-        await self._run_on_engine(copy_all)
+        await self._run_on_engine(write)
 
     def set_weight_version(self, version: int) -> None:
         self.weight_version = int(version)
@@ -411,3 +432,11 @@ def _check_update(params: dict[str, torch.Tensor], staged: list[tuple[str, torch
                 f"dtype mismatch for '{name}': got {got}, expected "
                 f"{'a floating-point dtype' if floating else held} (the engine holds {held})"
             )
+
+
+def _tied_names(params: dict[str, torch.Tensor]) -> set[str]:
+    """Names of parameters that share one tensor with another name (a tied LM head)."""
+    holders: dict[int, list[str]] = {}
+    for name, tensor in params.items():
+        holders.setdefault(id(tensor), []).append(name)
+    return {name for names in holders.values() if len(names) > 1 for name in names}

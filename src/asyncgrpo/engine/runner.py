@@ -157,7 +157,7 @@ class ModelRunner:
         use_onednn = onednn_linear_available(self.dtype)
         self.lm_head = _Linear(model.lm_head.weight, None, use_onednn)
         self.layers = [_Layer(layer, use_onednn) for layer in inner.layers]
-        self._weights_changed = False
+        self._stale: list[_Linear] = []
         positions = torch.arange(max_model_len).unsqueeze(0)
         probe = torch.zeros(1, dtype=torch.float32)
         with torch.no_grad():
@@ -169,17 +169,32 @@ class ModelRunner:
         self.v_cache: list[torch.Tensor] = []
         self.ensure_capacity(min(256, max_model_len))
 
-    def weights_changed(self) -> None:
-        """The model's weights were updated in place: repack before the next forward."""
-        self._weights_changed = True
+    def _linears(self) -> list[_Linear]:
+        fused = [
+            lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        return fused + [self.lm_head]
+
+    def weights_changed(self, tensors: list[torch.Tensor] | None = None) -> None:
+        """The model's weights were updated in place: repack before the next forward.
+
+        `tensors`: the updated parameters (None: all). Only the packed linears over their
+        storage are repacked (a q/k/v/o adapter sync skips the MLPs and the LM head: 17
+        instead of 85 ms on SmolLM2-135M); a fused layer's parts share its storage, and a
+        tied embedding the head's.
+        """
+        if tensors is None:
+            self._stale = self._linears()
+            return
+        storages = {t.untyped_storage().data_ptr() for t in tensors}
+        self._stale += [
+            lin for lin in self._linears() if lin.weight.untyped_storage().data_ptr() in storages
+        ]
 
     def _refresh(self) -> None:
-        if self._weights_changed:
-            self._weights_changed = False
-            for layer in self.layers:
-                for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                    linear.pack()
-            self.lm_head.pack()
+        stale, self._stale = self._stale, []
+        for linear in {id(lin): lin for lin in stale}.values():
+            linear.pack()
 
     # ---- cache management -------------------------------------------------
 

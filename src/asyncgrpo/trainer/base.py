@@ -1,8 +1,8 @@
 """The `Trainer` protocol: what the training loop needs from whatever trains the policy.
 
-`PolicyTrainer` (`loop.py`) is the one-process implementation; a multi-process
-trainer (ranks under torchrun, FSDP) or a LoRA trainer implements the same
-four verbs, so the loop in `run.py` does not change.
+`PolicyTrainer` (`loop.py`) is the one-process implementation (a LoRA model
+included); `ranks.DataParallelTrainer` is rank 0 of several processes. The loop in
+`run.py` sees only these verbs.
 """
 
 from __future__ import annotations
@@ -36,4 +36,8 @@ class Trainer(Protocol):
 
     def load_checkpoint(self, path: Path) -> TrainingState:
         """Restore a checkpoint written by `save_checkpoint` (version included)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the trainer started (other ranks); safe after a failure."""
         ...

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from asyncgrpo.trainer.sharded import full, like
+
 
 @dataclass
 class TrainingState:
@@ -43,22 +45,37 @@ class TrainingState:
     extra: dict[str, Any]
 
 
+def checkpoint_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict, dict, dict]:
+    """(model weights, optimizer tensors, optimizer metadata), whole tensors on the CPU.
+    A sharded trainer's ranks all call it (each shard is gathered, `sharded.full`)."""
+    weights = checkpointed_state(model)
+    _dedupe_shared(weights)  # before gathering: a tied tensor is gathered once
+    weights = {k: full(v).detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}
+    return weights, *_optimizer_tensors(optimizer)
+
+
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     state = optimizer.state_dict()
     tensors, scalars = {}, {}
     for idx, per_param in state["state"].items():
         for key, value in per_param.items():
             if torch.is_tensor(value):
-                tensors[f"{idx}.{key}"] = value.detach().contiguous().cpu()
+                tensors[f"{idx}.{key}"] = full(value).detach().contiguous().cpu()
             else:
                 scalars[f"{idx}.{key}"] = value
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
 def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     per_param: dict[int, dict] = {}
     for name, value in tensors.items():
         idx, key = name.split(".", 1)
+        param = params[int(idx)]
+        # moments have the parameter's shape: a sharded parameter gets sharded moments
+        value = like(param, value) if value.shape == param.shape else value
         per_param.setdefault(int(idx), {})[key] = value
     for name, value in meta["scalars"].items():
         idx, key = name.split(".", 1)
@@ -92,15 +109,16 @@ def save_checkpoint(
     state: TrainingState,
     keep: int = 2,
 ) -> Path:
-    """Write `directory/step-NNNNNN` atomically and point `latest` at it."""
+    """Write `directory/step-NNNNNN` atomically and point `latest` at it (on a sharded
+    trainer, rank 0 writes while the other ranks run `checkpoint_tensors` with it)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{state.step:06d}"
     tmp = directory / f".tmp-step-{state.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_weights(tmp / "model.safetensors", model)
-    opt_tensors, opt_meta = _optimizer_tensors(optimizer)
+    weights, opt_tensors, opt_meta = checkpoint_tensors(model, optimizer)
+    save_file(weights, tmp / "model.safetensors")
     rng_tensors, rng_meta = _rng_state()
     save_file(
         {**opt_tensors, **{f"rng.{k}": v for k, v in rng_tensors.items()}},
@@ -126,11 +144,20 @@ def save_checkpoint(
     return final
 
 
-def save_weights(
-    path: str | Path, model: torch.nn.Module, dtype: torch.dtype | None = None
-) -> None:
-    """The model's state dict as safetensors (tied tensors stored once), cast to `dtype`."""
-    save_file(copy_weights(model, dtype), path)
+def checkpointed_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict a checkpoint holds: all of it, or a LoRA model's trainable adapter
+    alone (its base is the run's model, unchanged)."""
+    state = model.state_dict()
+    trainable = _lora_trainable(model)
+    return state if trainable is None else {k: v for k, v in state.items() if k in trainable}
+
+
+def _lora_trainable(model: torch.nn.Module) -> set[str] | None:
+    from asyncgrpo.trainer.lora import is_lora
+
+    if not is_lora(model):
+        return None
+    return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def copy_weights(
@@ -171,7 +198,8 @@ def _dedupe_shared(weights: dict) -> None:
     seen: dict[tuple, str] = {}
     for name in list(weights):
         t = weights[name]
-        key = (t.data_ptr(), t.shape, t.stride())
+        local = t.to_local() if hasattr(t, "to_local") else t  # a shard: its local storage
+        key = (local.data_ptr(), t.shape, local.stride())
         if key in seen:
             del weights[name]
         else:
@@ -192,8 +220,13 @@ def load_checkpoint(
     """Restore model, optimizer, scheduler and RNG in place; return the scalar state."""
     path = Path(path)
     weights = load_file(path / "model.safetensors")
+    current = model.state_dict()
+    weights = {k: like(current[k], v) if k in current else v for k, v in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [m for m in missing if not _is_tied_alias(model, m)]
+    trainable = _lora_trainable(model)
+    missing = [
+        m for m in missing if not _is_tied_alias(model, m) and (trainable is None or m in trainable)
+    ]
     if missing or unexpected:
         raise RuntimeError(
             f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ import torch
 from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.trainer.advantages import compute_advantages
+from asyncgrpo.trainer.batch import Prepared, StepTotals
 from asyncgrpo.trainer.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from asyncgrpo.trainer.losses import LossInputs, compute_loss
 from asyncgrpo.trainer.packing import (
@@ -41,6 +41,7 @@ from asyncgrpo.trainer.packing import (
     pad_ragged,
     plan_micro_batches,
 )
+from asyncgrpo.trainer.reference import make_reference
 
 
 def lr_lambda(trainer: TrainerConfig, max_steps: int):
@@ -73,26 +74,6 @@ def make_adamw(params: list[torch.nn.Parameter], **options) -> torch.optim.AdamW
         return torch.optim.AdamW(params, **options)
 
 
-@dataclass
-class StepTotals:
-    """Sums over one step's micro-batches; loss metrics weighted by their loss tokens."""
-
-    loss: float = 0.0
-    tokens: float = 0.0
-    weighted: dict[str, float] = field(default_factory=dict)
-
-    def add(self, loss: float, tokens: float, metrics: dict[str, float]) -> None:
-        self.loss += loss
-        self.tokens += tokens
-        for key, value in metrics.items():
-            if value is not None and not math.isnan(value):
-                self.weighted[key] = self.weighted.get(key, 0.0) + value * tokens
-
-    def means(self) -> dict[str, float]:
-        """Token-weighted mean of each metric (NaN values left out)."""
-        return {k: v / self.tokens for k, v in self.weighted.items()} if self.tokens else {}
-
-
 class PolicyTrainer:
     """Owns the trained model, its optimizer and schedule, and the policy version."""
 
@@ -121,16 +102,26 @@ class PolicyTrainer:
         self.max_completion_length = max_completion_length
         self.bf16_autocast = trainer.use_bf16_autocast()
         enable_packed_attention(model)
+        # the KL's reference is the policy as given, before any step (see reference.py)
+        self.reference = make_reference(model) if loss.beta > 0 else None
         model.train()
+        self.build_optimizer()
+        self.version = 0
+        self.dp_world_size = 1  # data-parallel ranks (`ranks.py` sets it)
+        self.gradient_sync = None  # averages gradients over the ranks before a step (ddp)
+        self.runner = None  # the sharded root module that runs the packed forward (fsdp)
+
+    def build_optimizer(self) -> None:
+        """AdamW and the schedule over the trainable parameters (again after sharding, which
+        replaces the parameters)."""
         self.optimizer = make_adamw(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=trainer.learning_rate,
-            weight_decay=trainer.weight_decay,
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.trainer_cfg.learning_rate,
+            weight_decay=self.trainer_cfg.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(trainer, max_steps)
+            self.optimizer, lr_lambda(self.trainer_cfg, self.max_steps)
         )
-        self.version = 0
 
     def advantages(self, groups: list[Group]) -> np.ndarray:
         """Advantages of the batch (weighted by `advantage.reward_weights`); sets `reward`."""
@@ -144,9 +135,14 @@ class PolicyTrainer:
     def step(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step; returns its metrics. Bumps `version`."""
         start = time.perf_counter()
+        batch = self.prepare(groups)
+        totals = self.accumulate(batch)
+        grad_norm = self.update()
+        return self.step_metrics(batch, totals, grad_norm, time.perf_counter() - start)
+
+    def prepare(self, groups: list[Group]) -> Prepared:
+        """The batch's samples, advantages and whole-step counts."""
         rollouts = [r for g in groups for r in g.rollouts]
-        advantages = self.advantages(groups)
-        sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
         completion_tokens = sum(r.num_sampled for r in rollouts)  # loss tokens only
         counts = dict(
             num_global_tokens=float(max(completion_tokens, 1)),
@@ -154,33 +150,58 @@ class PolicyTrainer:
             num_global_sequences=float(len(rollouts)),
             max_completion_length=self.max_completion_length
             or max(len(r.completion_ids) for r in rollouts),
+            dp_world_size=self.dp_world_size,
         )
-        totals = StepTotals()
-        lengths = [len(s) for s in sequences]
-        # a group's samples stay in one micro-batch, so their shared prompt is computed once
         group_of = [g.group_id for g in groups for _ in g.rollouts]
-        budget = self.trainer_cfg.micro_batch_tokens
-        for micro in plan_micro_batches(lengths, budget, groups=group_of):
-            micro = [i for i in micro if len(rollouts[i].completion_ids) > 0]
-            if micro:
-                totals.add(
-                    *self._backward(
-                        [sequences[i] for i in micro],
-                        [rollouts[i] for i in micro],
-                        advantages[micro],
-                        counts,
-                    )
+        return Prepared(rollouts, self.advantages(groups), group_of, counts)
+
+    def accumulate(self, batch: Prepared) -> StepTotals:
+        """Forward and backward over `batch` in packed micro-batches; gradients accumulate."""
+        totals = StepTotals()
+        rollouts = batch.rollouts
+        sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
+        # a group's samples stay in one micro-batch, so their shared prompt is computed once
+        for micro in self.plan(batch):
+            totals.add(
+                *self._backward(
+                    [sequences[i] for i in micro],
+                    [rollouts[i] for i in micro],
+                    batch.advantages[micro],
+                    batch.counts,
                 )
-        grad_norm = self._optimizer_step()
-        elapsed = time.perf_counter() - start
+            )
+        # sharded ranks all-gather in every forward: each runs the step's most micro-batches
+        for _ in range(batch.micro_batches - len(self.plan(batch))):
+            self._backward([[0, 0]], [PADDING], np.zeros(1), batch.counts)
+        return totals
+
+    def plan(self, batch: Prepared) -> list[list[int]]:
+        """The micro-batches (rollout indices) of `batch` that have completion tokens."""
+        lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in batch.rollouts]
+        budget = self.trainer_cfg.micro_batch_tokens
+        plan = plan_micro_batches(lengths, budget, groups=batch.group_of)
+        plan = [[i for i in micro if batch.rollouts[i].completion_ids] for micro in plan]
+        return [micro for micro in plan if micro]
+
+    def update(self) -> float:
+        """Synchronise the gradients (data parallel), then take the optimizer step."""
+        if self.gradient_sync is not None:
+            self.gradient_sync([p for p in self.model.parameters() if p.requires_grad])
+        return self._optimizer_step()
+
+    def step_metrics(
+        self, batch: Prepared, totals: StepTotals, grad_norm: float, elapsed: float
+    ) -> dict[str, float]:
+        rollouts = batch.rollouts
         metrics = totals.means()
         metrics.update(
-            loss=totals.loss,
+            loss=totals.loss / self.dp_world_size,  # each rank's loss is scaled by the ranks
             grad_norm=grad_norm,
             learning_rate=self.scheduler.get_last_lr()[0],
-            **batch_metrics(rollouts, advantages),
-            completion_len_mean=completion_tokens / len(rollouts),
-            train_tokens_per_s=sum(lengths) / elapsed,
+            **batch_metrics(rollouts, batch.advantages),
+            completion_len_mean=sum(r.num_sampled for r in rollouts) / len(rollouts),
+            train_tokens_per_s=sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+            / elapsed,
             train_step_s=elapsed,
         )
         return metrics
@@ -199,14 +220,22 @@ class PolicyTrainer:
         autocast = (
             torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16_autocast else nullcontext()
         )
+        prompt_lengths = [len(r.prompt_ids) for r in rollouts]
+        reference = None
         with autocast:
+            if self.reference is not None:
+                ref = self.reference.logprobs(
+                    sequences, prompt_lengths, self.temperature, self.top_p
+                )
+                reference, _ = pad_ragged(ref)  # (B, T), the policy's layout
             out = packed_token_logprobs(
                 self.model,
                 sequences,
-                prompt_lengths=[len(r.prompt_ids) for r in rollouts],
+                prompt_lengths=prompt_lengths,
                 temperature=self.temperature,
                 top_p=self.top_p,
                 with_entropy=True,
+                runner=self.runner,
             )
         logprobs, mask = pad_ragged([lp.float() for lp in out.logprobs])  # (B, T)
         mask = mask * sampled_mask(rollouts, mask.shape[1])  # (B, T)
@@ -219,6 +248,7 @@ class PolicyTrainer:
             advantages=torch.tensor(advantages, dtype=torch.float32),  # (B,)
             mask=mask,
             old_logprobs=logprobs.detach() if current else None,
+            ref_logprobs=reference,
             entropy=entropy,
             **counts,
         )
@@ -235,12 +265,19 @@ class PolicyTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
+        if hasattr(grad_norm, "full_tensor"):  # a sharded model's norm is a DTensor
+            grad_norm = grad_norm.full_tensor()
         return float(grad_norm)
 
     def named_weights(self, dtype: torch.dtype | None = None):
-        """(name, tensor) pairs to publish to the engine (state_dict names)."""
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach().to(dtype) if dtype is not None else tensor.detach()
+        """(name, tensor) pairs to publish to the engine: the state_dict, or only the
+        LoRA adapter (`lora.py`)."""
+        from asyncgrpo.trainer.lora import published_weights
+
+        return published_weights(self.model, dtype)
+
+    def close(self) -> None:
+        """Nothing to release in one process (the data-parallel trainer stops its ranks)."""
 
     def save_checkpoint(self, directory: Path, state: TrainingState) -> Path:
         """Model, optimizer, scheduler and `state` under `directory` (see checkpoint.py)."""
@@ -251,6 +288,11 @@ class PolicyTrainer:
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.version = state.version
         return state
+
+
+# a one-token completion that carries no loss: the filler of a sharded rank's extra
+# micro-batches (its forward and backward join the others' collectives, its gradient is 0)
+PADDING = Rollout([0], [0], [0.0], [], "", "", completion_mask=[0])
 
 
 def batch_metrics(rollouts: list[Rollout], advantages: np.ndarray) -> dict[str, float]:

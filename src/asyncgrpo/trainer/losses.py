@@ -42,11 +42,10 @@ are scaled by W and the averaged gradient is that of the global loss:
 - `dapo`:    W · Σ_it loss_it / num_global_tokens   (global token mean)
 - `grpo`:    W · Σ_i (Σ_t loss_it / |y_i|) / num_global_sequences
 - `dr_grpo`: W · Σ_it loss_it / (num_global_sequences · max_completion_length)
-- `bnpo`:    Σ_it loss_it / num_batch_tokens, with num_batch_tokens the tokens
-  of this rank's whole step (all its micro-batches), so it too is invariant to
-  accumulation. It differs from `dapo` only in data parallelism: not scaled by
-  W, so the averaged gradient is the mean over ranks of per-rank token means
-  (each rank weighs the same; TRL's bnpo), whereas dapo weighs each token the same.
+- `bnpo`:    W · Σ_it loss_it / num_batch_tokens, with num_batch_tokens the loss tokens
+  of the step's whole batch (all ranks, all micro-batches). asyncgrpo takes one
+  optimizer step per batch, so this equals `dapo`; TRL's bnpo normalises each rank by
+  its own tokens instead, which makes the gradient depend on the number of ranks.
 
 Counts left None default to those of this call (the call is the whole batch).
 """
@@ -81,7 +80,7 @@ class LossInputs:
     entropy: torch.Tensor | None = None  # (B, T) for the metric only
     proximal_logprobs: torch.Tensor | None = None  # (B, T) π_prox (decoupled PPO)
     num_global_tokens: float | None = None  # loss tokens of the whole step, all ranks
-    num_batch_tokens: float | None = None  # loss tokens of this rank's whole step (bnpo)
+    num_batch_tokens: float | None = None  # loss tokens of the step's batch, all ranks (bnpo)
     num_global_sequences: float | None = None  # sequences of the whole step, all ranks
     max_completion_length: float | None = None  # dr_grpo's constant length
     dp_world_size: int = 1
@@ -170,7 +169,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, inputs: LossInputs, h
     if how == "dapo":
         return per_token.sum() * (world / _count(inputs.num_global_tokens, tokens))
     if how == "bnpo":
-        return per_token.sum() / _count(inputs.num_batch_tokens, tokens)
+        return per_token.sum() * (world / _count(inputs.num_batch_tokens, tokens))
     if how == "dr_grpo":
         length = _count(inputs.max_completion_length, float(mask.shape[-1]))
         return per_token.sum() * (world / (sequences * length))

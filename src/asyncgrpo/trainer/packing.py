@@ -28,6 +28,7 @@ working for ordinary padded forwards.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -212,8 +213,12 @@ def packed_token_logprobs(
     attention: str = "segments",
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     top_p: float = 1.0,
+    runner=None,
 ) -> PackedLogProbs:
     """Per-sequence log-probs (and entropies) of the completion tokens, one packed forward.
+
+    `runner`: what runs `run_packed`'s work (a sharded model's root module, `sharded.py`);
+    default: `run_packed` on `model`.
 
     `attention="segments"` needs `enable_packed_attention(model)`; `"mask"` passes
     the dense block mask and works with any 4D-mask implementation (sdpa, eager).
@@ -235,20 +240,31 @@ def packed_token_logprobs(
         forward.update(attention_mask=packed.block_mask())
     else:
         raise ValueError(f"attention must be 'segments' or 'mask', not {attention!r}")
+    run = runner if runner is not None else functools.partial(run_packed, model)
+    logprobs, entropy = run(
+        forward, packed.rows, packed.targets, temperature, with_entropy, chunk_rows, top_p
+    )
+    return PackedLogProbs(
+        logprobs=list(logprobs.split(packed.counts)),
+        entropy=list(entropy.split(packed.counts)) if with_entropy else None,
+    )
+
+
+def run_packed(model, forward, rows, targets, temperature, with_entropy, chunk_rows, top_p):
+    """The packed forward proper: the base model over the packed ids, then the chunked LM
+    head at the completion rows only; (log-probs (M,), entropies (M,) or None)."""
+    if hasattr(model, "get_base_model"):  # peft: the HF model it wraps (adapters inside)
+        model = model.get_base_model()
     base = getattr(model, model.base_model_prefix)
     hidden = base(**forward).last_hidden_state[0]  # (N, H)
-    logprobs, entropy = lm_head_token_logprobs(
-        hidden[packed.rows],  # (M, H)
+    return lm_head_token_logprobs(
+        hidden[rows],  # (M, H)
         model.get_output_embeddings(),
-        packed.targets,
+        targets,
         temperature,
         with_entropy,
         chunk_rows,
         top_p,
-    )
-    return PackedLogProbs(
-        logprobs=list(logprobs.split(packed.counts)),
-        entropy=list(entropy.split(packed.counts)) if entropy is not None else None,
     )
 
 

@@ -20,6 +20,15 @@ serve` process fronting it (`engine.upstream_url`), which renders chat
 templates, parses tool calls and records exact tokens, calling vLLM token in,
 token out. Agents get their episode URLs there; it is started, stopped and
 restarted with the vLLM server.
+
+LoRA runs (`engine.max_lora_rank`) publish only the adapter (names in
+`asyncgrpo.adapters`). Such a sync goes through `AdapterLoader` instead of the
+weight transport: the adapter is written as a peft directory under the run
+directory (`engine.weights_dir` when set: an attached server must read it too),
+loaded with `/v1/load_lora_adapter` as `asyncgrpo-v{version}` while the server
+is paused, and asked for by every later request. vLLM's base weights never
+change. Adapters older than the previous one are unloaded, and their files
+deleted once no request of ours runs on them.
 """
 
 from __future__ import annotations
@@ -32,12 +41,13 @@ from urllib.parse import urlparse
 from asyncgrpo.backend.base import EngineDied, EngineGone, NamedTensors, SyncTimeout, publish
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError, RetryPolicy
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import ConfigError, EngineConfig
 from asyncgrpo.config.engine import is_loopback
 from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.transport import make_transport
 from asyncgrpo.vllm.client import NO_RETRY, VLLMClient
 from asyncgrpo.vllm.launcher import VLLMServer, weight_backend
+from asyncgrpo.vllm.lora import AdapterLoader, adapter_or_weights, adapter_root
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +64,12 @@ class VLLMBackend:
         replica: int = 0,
         episodes: bool = False,
     ):
+        if episodes and cfg.max_lora_rank is not None:
+            raise ConfigError(
+                "model.lora with engine.type vllm and agent episodes is not supported yet: "
+                "the episode gateway generates on vLLM's base model and cannot ask for the "
+                "run's adapter; use the embedded engine for LoRA agent runs"
+            )
         self.cfg = cfg
         self.replica = replica
         self.log_path = Path(log_path) if log_path else None
@@ -64,6 +80,7 @@ class VLLMBackend:
         url = cfg.base_url or self.server.base_url
         self.client = VLLMClient(url, retry=self.retry, weights_dir=cfg.weights_dir)
         self.transport = self._make_transport()
+        self.adapters = AdapterLoader(self.client, cfg, adapter_root(cfg, self.log_path), replica)
         self.gateway = self._make_gateway() if episodes else None
         self.restarts = 0
         self.sync_timings: dict[str, float] = {}
@@ -107,8 +124,10 @@ class VLLMBackend:
 
     async def wait_ready(self, layout: NamedTensors | None = None) -> None:
         self.launch()
-        if layout is not None:  # lay the first sync's buffers out while vLLM loads
-            await self.transport.prepare(list(layout))
+        if layout is not None:
+            layout, adapter = adapter_or_weights(layout)
+            if not adapter:  # lay the first sync's buffers out while vLLM loads
+                await self.transport.prepare(list(layout))
         if self.server is not None:
             await asyncio.to_thread(self.server.wait_ready, self.cfg.startup_timeout_s)
         else:
@@ -127,6 +146,12 @@ class VLLMBackend:
                 f"{backend!r}, not {weight_backend(self.cfg)!r}: start it with the arguments "
                 "and environment `asyncgrpo.vllm.launcher.VLLMServer` uses (README, "
                 '"Training with vLLM")'
+            )
+        if self.cfg.max_lora_rank is not None and not config.get("lora_config"):
+            raise EngineDied(
+                f"the vLLM server at {self.client.base_url} does not serve LoRA adapters, "
+                "which this run (engine.max_lora_rank) publishes: start it with --enable-lora "
+                "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
             )
         device = str((config.get("device_config") or {}).get("device", "cpu"))
         self.client.send_seed = device != "cpu"
@@ -171,6 +196,7 @@ class VLLMBackend:
         await asyncio.to_thread(self.server.restart, self.cfg.startup_timeout_s)
         self.restarts += 1
         self.client.forget_transfer_engine()
+        self.adapters.forget()
         await self._check_server()
         await self._start_gateway()
 
@@ -183,12 +209,17 @@ class VLLMBackend:
             await self._start_gateway()
 
     async def sync_weights(self, weights: NamedTensors, version: int, mode: str) -> None:
+        transport = self.transport
+        weights, adapter = adapter_or_weights(weights)
+        if adapter:
+            self.adapters.check(weights)  # before pausing anything
+            transport = self.adapters
         for attempt in range(SYNC_ATTEMPTS):
             await self.revive()
             try:
                 return await publish(
                     self.client,
-                    self.transport,
+                    transport,
                     weights,
                     version,
                     mode,
@@ -229,6 +260,7 @@ class VLLMBackend:
 
     async def close(self) -> None:
         try:
+            await self.adapters.close()
             await asyncio.wait_for(self.transport.close(), 5)
             await asyncio.wait_for(self.client.aclose(), 5)
             if self.client.gateway is not None:

@@ -20,6 +20,13 @@ The orchestrator and the weight transports talk to every engine through the
   These calls are not retried (a sync that fails is repeated whole by the backend),
   and each goes on a fresh connection: vLLM drops a connection after answering 500,
   and a control call must not fail on a stale one from the pool.
+- LoRA runs: `load_lora_adapter` makes an adapter directory available as
+  `asyncgrpo-v{version}` and `use_adapter` has every new request ask for it by
+  `model`. vLLM keeps a request on the adapter it started with, across pauses and
+  later loads, so every token of such a request carries the adapter's version
+  (vLLM's spans would carry its weight label, which adapters do not change). The
+  client counts its requests in flight per adapter, so an old adapter's files are
+  deleted only once nothing can need them again.
 
 vLLM has no admin token; its RL routes are open to whoever reaches the port.
 """
@@ -27,18 +34,24 @@ vLLM has no admin token; its RL routes are open to whoever reaches the port.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 import httpx
 
 from asyncgrpo.client.engine_client import Completion, EngineClient, EngineProtocolError, Sample
-from asyncgrpo.client.retry import RetryPolicy, send_with_retry
+from asyncgrpo.client.retry import EngineHTTPError, RetryPolicy, send_with_retry
 
 logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
 INITIAL_VERSION_LABEL = "default"  # vLLM's label for the weights it started with
 NO_RETRY = RetryPolicy(max_attempts=1)
+
+
+def adapter_name(version: int) -> str:
+    """The name an adapter of `version` is loaded under (what requests ask for by `model`)."""
+    return f"asyncgrpo-v{int(version)}"
 
 
 def parse_version(label: Any) -> int:
@@ -121,6 +134,10 @@ class VLLMClient(EngineClient):
         self.transfer_ready = False
         """`init_weight_transfer_engine` was sent to the current server process."""
         self.cache_salt: str | None = None
+        self.adapter: tuple[str, int] | None = None
+        """LoRA runs: (name, version) of the adapter new requests ask for; None: base."""
+        self.adapter_requests: Counter[str] = Counter()
+        """Requests of this client in flight, per adapter name."""
         self._seed_warned = False
 
     async def aclose(self) -> None:
@@ -128,9 +145,11 @@ class VLLMClient(EngineClient):
         await super().aclose()
 
     def forget_transfer_engine(self) -> None:
-        """The server restarted: it needs the init again and holds its initial weights."""
+        """The server restarted: it needs the init again, holds its initial weights and no
+        adapter."""
         self.transfer_ready = False
         self.cache_salt = None
+        self.adapter = None
 
     # ---- generation ------------------------------------------------------------------
 
@@ -174,8 +193,17 @@ class VLLMClient(EngineClient):
             body["cache_salt"] = self.cache_salt
         if self.model:
             body["model"] = self.model
-        data = await self._json("POST", GENERATE_PATH, json=body, timeout=timeout)
-        return generate_completion(data, prompt_ids)
+        adapter = self.adapter
+        if adapter is None:
+            data = await self._json("POST", GENERATE_PATH, json=body, timeout=timeout)
+            return generate_completion(data, prompt_ids)
+        body["model"] = adapter[0]
+        self.adapter_requests[adapter[0]] += 1
+        try:
+            data = await self._json("POST", GENERATE_PATH, json=body, timeout=timeout)
+        finally:
+            self.adapter_requests[adapter[0]] -= 1
+        return _on_adapter(generate_completion(data, prompt_ids), adapter[1])
 
     def _seed(self, params: dict, seed: int) -> None:
         if self.send_seed:
@@ -216,6 +244,9 @@ class VLLMClient(EngineClient):
         return bool((await self._json("POST", "/reset_prefix_cache")).get("success", False))
 
     async def weight_version(self) -> int:
+        """The version new requests sample with: their adapter's, else vLLM's label."""
+        if self.adapter is not None:
+            return self.adapter[1]
         return parse_version((await self._json("GET", "/weight_info"))["weight_version"])
 
     # ---- the four-step weight update, for asyncgrpo's worker plugin --------------------
@@ -253,8 +284,40 @@ class VLLMClient(EngineClient):
         """Label the weights without a transfer (the NCCL engine finishes unlabelled)."""
         await self._control("/update_weight_version", {"new_version": str(int(version))})
 
+    # ---- LoRA adapters (servers started with --enable-lora) ----------------------------
+
+    async def load_lora_adapter(self, version: int, path: str) -> str:
+        """Load the peft adapter directory `path` as `adapter_name(version)`; a name already
+        loaded (a sync repeated after a failure) is kept. Returns the name."""
+        name = adapter_name(version)
+        try:
+            await self._control("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        except EngineHTTPError as exc:
+            if exc.status != 400 or "already been loaded" not in exc.message:
+                raise
+        return name
+
+    def use_adapter(self, version: int) -> None:
+        """New requests sample with the adapter of `version` (loaded before)."""
+        self.adapter = (adapter_name(version), int(version))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """No new request can ask for `name` (vLLM frees it as later ones replace it)."""
+        try:
+            await self._control("/v1/unload_lora_adapter", {"lora_name": name})
+        except EngineHTTPError as exc:
+            if exc.status != 404:  # gone already (a restarted server)
+                raise
+
     async def _control(self, path: str, body: dict | None = None) -> None:
         async def send() -> httpx.Response:
             return await self._control_http.post(self.base_url + path, json=body)
 
         await send_with_retry(send, NO_RETRY, f"POST {path}")
+
+
+def _on_adapter(completion: Completion, version: int) -> Completion:
+    """Every token of a request that asked for an adapter is that adapter's."""
+    for sample in completion.samples:
+        sample.weight_versions = [version] * len(sample.token_ids)
+    return completion

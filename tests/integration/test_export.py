@@ -1,0 +1,178 @@
+"""`asyncgrpo export`: run directories written by the real checkpoint code, exported, then
+loaded by transformers, peft and the embedded engine's loader, and compared on logits with
+the model that was trained."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncgrpo.cli import main as cli_main
+from asyncgrpo.config import RunConfig
+from asyncgrpo.engine.engine import _load_model as engine_load_model
+from asyncgrpo.export import export_run
+from asyncgrpo.trainer.checkpoint import Checkpointer, TrainingState, save_checkpoint
+from asyncgrpo.trainer.lora import apply_lora, published_weights
+
+peft = pytest.importorskip("peft")
+
+LORA = {"r": 4, "alpha": 12.0, "target_modules": ["q_proj", "v_proj", "o_proj"]}
+TOKENS = torch.tensor([[1, 17, 42, 99, 5, 230, 7, 64, 300, 12]])
+
+
+class TrainedRun:
+    """A run directory and its live model, written the way a run writes them: checkpoints
+    by `save_checkpoint` (under LoRA: the adapter alone), weight snapshots by `Checkpointer`
+    from the published weights."""
+
+    def __init__(self, run_dir: Path, base_dir: Path, lora: dict | None):
+        self.run_dir = run_dir
+        cfg = RunConfig(model={"name_or_path": str(base_dir), "lora": lora})
+        run_dir.mkdir()
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        self.model = apply_lora(model, cfg.model.lora) if lora else model
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trained)
+        self.version = 0
+        self.checkpoints = Checkpointer(self, run_dir, 1, 1, torch.float32)
+
+    def train_to(self, step: int, seed: int) -> None:
+        """Move every trained parameter (LoRA: B too, which starts at zero), checkpoint."""
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for param in self.trained:
+                param.add_(torch.randn_like(param) * 0.05)
+        self.version = step
+        self.checkpoints.maybe_save(step, lambda: ({}, {}), 0.0)
+        self.checkpoints.wait()
+
+    def named_weights(self, dtype=None):
+        return published_weights(self.model, dtype)
+
+    def save_checkpoint(self, directory: Path, state: TrainingState) -> Path:
+        return save_checkpoint(directory, self.model, self.optimizer, None, state)
+
+    def logits(self) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(TOKENS).logits
+
+
+def logits_of(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(TOKENS).logits
+
+
+@pytest.fixture
+def base_dir(tiny_model_dir):
+    return Path(tiny_model_dir)
+
+
+def test_full_run_exports_a_model_transformers_and_the_engine_load(tmp_path, base_dir):
+    run = TrainedRun(tmp_path / "run", base_dir, lora=None)
+    run.train_to(3, seed=1)
+    out = tmp_path / "out"
+    message = export_run(run.run_dir, out)
+    assert "step 3" in message
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    torch.testing.assert_close(logits_of(loaded), run.logits(), atol=1e-5, rtol=0)
+    assert not torch.allclose(logits_of(loaded), logits_of(_base(base_dir)), atol=1e-3)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    tokenizer, engine_model = engine_load_model(str(out), torch.float32, torch.float32)
+    torch.testing.assert_close(logits_of(engine_model), run.logits(), atol=1e-5, rtol=0)
+    original = AutoTokenizer.from_pretrained(base_dir)
+    text = "What is 12 + 7? The answer is 19."
+    assert tokenizer.encode(text) == original.encode(text)
+    assert (out / "generation_config.json").is_file()
+
+
+def test_lora_run_exports_an_adapter_and_a_merged_model(tmp_path, base_dir):
+    run = TrainedRun(tmp_path / "run", base_dir, lora=LORA)
+    run.train_to(2, seed=2)
+    adapter_dir, merged_dir = tmp_path / "adapter", tmp_path / "merged"
+    export_run(run.run_dir, adapter_dir)
+    export_run(run.run_dir, merged_dir, merged=True)
+    assert (adapter_dir / "adapter_config.json").is_file()
+    assert not (adapter_dir / "model.safetensors").exists()
+    adapted = peft.PeftModel.from_pretrained(_base(base_dir), adapter_dir)
+    torch.testing.assert_close(logits_of(adapted), run.logits(), atol=1e-5, rtol=0)
+    # the adapter names its base, so peft's auto class finds it alone
+    auto = peft.AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype=torch.float32)
+    torch.testing.assert_close(logits_of(auto), run.logits(), atol=1e-5, rtol=0)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    torch.testing.assert_close(logits_of(merged), run.logits(), atol=1e-5, rtol=0)
+    assert not torch.allclose(logits_of(merged), logits_of(_base(base_dir)), atol=1e-3)
+    _, engine_model = engine_load_model(str(merged_dir), torch.float32, torch.float32)
+    torch.testing.assert_close(logits_of(engine_model), run.logits(), atol=1e-5, rtol=0)
+
+
+def test_step_picks_a_checkpoint_or_a_weights_snapshot(tmp_path, base_dir):
+    run = TrainedRun(tmp_path / "run", base_dir, lora=LORA)
+    expected = {}
+    for step in (1, 2, 3):
+        run.train_to(step, seed=10 + step)
+        expected[step] = run.logits()
+    # checkpoints keep the newest 2 (steps 2, 3); step 1 survives as a weights snapshot,
+    # under published names with alpha/r baked into lora_B
+    assert not (run.run_dir / "checkpoints" / "step-000001").exists()
+    assert (run.run_dir / "weights" / "step-000001.safetensors").is_file()
+    for step, merged in ((1, False), (1, True), (2, True), (None, True)):
+        out = tmp_path / f"out-{step}-{merged}"
+        export_run(run.run_dir, out, step=step, merged=merged)
+        model = (
+            AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+            if merged
+            else peft.PeftModel.from_pretrained(_base(base_dir), out)
+        )
+        torch.testing.assert_close(logits_of(model), expected[step or 3], atol=1e-5, rtol=0)
+
+
+def _base(base_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+
+
+def cli_error(capsys, *argv: str) -> str:
+    """Run `asyncgrpo export ...` in-process; expects exit 2 and one line on stderr."""
+    capsys.readouterr()  # drop what building the run printed
+    assert cli_main(["export", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    return err
+
+
+def test_cli_errors_are_one_line(tmp_path, base_dir, capsys):
+    assert "not a run directory" in cli_error(capsys, str(tmp_path), str(tmp_path / "o"))
+    run = TrainedRun(tmp_path / "run", base_dir, lora=None)
+    assert "no checkpoint" in cli_error(capsys, str(run.run_dir), str(tmp_path / "o"))
+    run.train_to(5, seed=0)
+    run.train_to(7, seed=0)
+    err = cli_error(capsys, str(run.run_dir), str(tmp_path / "o"), "--step", "6")
+    assert "step 6" in err and "available: 5, 7" in err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "file").write_text("x")
+    assert "not an empty directory" in cli_error(capsys, str(run.run_dir), str(busy))
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_exports_into_an_empty_directory(tmp_path, base_dir):
+    """The installed entry point, in its own process: a success, then a user error."""
+    run = TrainedRun(tmp_path / "run", base_dir, lora=LORA)
+    run.train_to(1, seed=3)
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, "-m", "asyncgrpo.cli", "export", str(run.run_dir), str(out)]
+    done = subprocess.run([*command, "--merged"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "step 1 merged model" in done.stdout
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    torch.testing.assert_close(logits_of(merged), run.logits(), atol=1e-5, rtol=0)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2
+    assert again.stderr.strip().startswith("error: ") and "Traceback" not in again.stderr
