@@ -33,6 +33,7 @@ from asyncgrpo.rollout.prompts import PromptStream
 from asyncgrpo.rollout.rewards import RewardRunner
 from asyncgrpo.run_context import RunContext
 from asyncgrpo.trainer.base import Trainer
+from asyncgrpo.trainer.build import load_policy, make_trainer, prepare_policy
 from asyncgrpo.trainer.checkpoint import Checkpointer
 
 logger = logging.getLogger(__name__)
@@ -198,76 +199,6 @@ def assemble_run(
         weight_dtype=weight_dtype,
         closers=[rewards.close] if rewards is not None else [],
         rewards=rewards,
-    )
-
-
-def load_policy(cfg: RunConfig, model_dir: str) -> torch.nn.Module:
-    """The model to train, from a directory, in float32, prepared by `prepare_policy`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return prepare_policy(cfg, model)
-
-
-def prepare_policy(cfg: RunConfig, model: torch.nn.Module) -> torch.nn.Module:
-    """Gradient checkpointing and the LoRA adapter, as the recipe asks."""
-    if cfg.trainer.gradient_checkpointing:
-        _checkpoint_activations(model)
-    if cfg.model.lora is not None:
-        from asyncgrpo.trainer.lora import apply_lora
-
-        model = apply_lora(model, cfg.model.lora)
-    return model
-
-
-def _checkpoint_activations(model: torch.nn.Module) -> None:
-    """Recompute each decoder layer's activations in backward (non-reentrant: works with
-    frozen inputs under LoRA and with the packed forward's keyword arguments)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def make_trainer(cfg: RunConfig, model: torch.nn.Module, run_dir: Path, model_dir: str) -> Trainer:
-    """One process, or rank 0 of `trainer.num_processes` (or of a torchrun launch)."""
-    from asyncgrpo.trainer.distributed import launched_rank, start_world
-
-    core = policy_trainer(cfg, model)
-    launched = launched_rank()
-    size = launched[1] if launched else cfg.trainer.num_processes
-    if size == 1:
-        return core
-    from asyncgrpo.trainer.ranks import DataParallelTrainer
-
-    logger.info("starting %d trainer ranks (%s)", size, cfg.trainer.strategy)
-    param = next(model.parameters())
-    world = start_world(size, run_dir, model_dir, param, cfg.trainer.collective_timeout_s)
-    trainer = DataParallelTrainer(core, world, cfg.trainer.strategy)
-    try:
-        trainer.start()
-    except BaseException:
-        trainer.close()
-        raise
-    return trainer
-
-
-def policy_trainer(cfg: RunConfig, model: torch.nn.Module):
-    """The one-process trainer of the recipe's `trainer`, `loss` and `advantage` sections."""
-    from asyncgrpo.engine.sampling import GREEDY_BELOW
-    from asyncgrpo.trainer.loop import PolicyTrainer
-
-    return PolicyTrainer(
-        model,
-        cfg.trainer,
-        cfg.loss,
-        cfg.advantage,
-        max_steps=cfg.max_steps,
-        temperature=cfg.rollout.temperature or 1.0,
-        # a greedy engine applies no nucleus: its log-probs are the plain log-softmax
-        top_p=cfg.rollout.top_p if cfg.rollout.temperature >= GREEDY_BELOW else 1.0,
-        max_completion_length=cfg.rollout.max_tokens,
     )
 
 

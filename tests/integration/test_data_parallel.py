@@ -33,7 +33,7 @@ from test_train import (
 from asyncgrpo.config import RunConfig
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.testing import save_tiny_model_dir
-from asyncgrpo.wiring import load_policy, make_trainer, policy_trainer
+from asyncgrpo.trainer.build import load_policy, make_trainer, policy_trainer
 
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]
 

@@ -8,7 +8,7 @@ import torch
 from asyncgrpo.config import RunConfig
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.testing import save_tiny_model_dir
-from asyncgrpo.wiring import load_policy, policy_trainer
+from asyncgrpo.trainer.build import load_policy, policy_trainer
 
 
 def groups() -> list[Group]:

@@ -1,0 +1,145 @@
+"""Trainer ranks: optimizer-step time of one process against 2 ranks (ddp and fsdp).
+
+Each configuration builds its trainer the way `asyncgrpo train` does
+(`trainer.build.make_trainer`: rank 0 in this process, rank 1 started as
+`asyncgrpo.trainer.follower`), then times `--steps` optimizer steps on the same
+synthetic batch of GRPO-shaped groups (after one warm-up step), the gathers that
+publish the weights, and a checkpoint. Every rank gets `--threads` torch threads, so 2
+ranks use twice the cores of one process: the step time shows how well the batch
+splits, the gather and checkpoint times what sharding costs. Configurations run one
+after another, each in a fresh process group.
+
+    .venv/bin/python benchmarks/data_parallel.py                 # SmolLM2-135M
+    .venv/bin/python benchmarks/data_parallel.py --tiny --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+RESULTS = Path(__file__).parent / "results" / "data_parallel.json"
+CONFIGS = [("1 process", 1, "ddp"), ("2 ranks ddp", 2, "ddp"), ("2 ranks fsdp", 2, "fsdp")]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model instead")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--completion-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    return ap.parse_args(argv)
+
+
+def make_groups(args, vocab: int, seed: int):
+    from asyncgrpo.rollout.types import Group, Rollout
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(args.groups):
+        prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
+        rollouts = []
+        for i in range(args.group_size):
+            n = args.completion_len + rng.randint(-16, 16)
+            completion = [rng.randrange(vocab) for _ in range(n)]
+            rollouts.append(
+                Rollout(prompt, completion, [-2.0] * n, [0] * n, "stop", "", [float(i % 2)])
+            )
+        groups.append(Group(seed * 100 + g, g, {}, rollouts))
+    return groups
+
+
+def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Path) -> dict:
+    from asyncgrpo.config import RunConfig
+    from asyncgrpo.trainer.build import load_policy, make_trainer
+    from asyncgrpo.trainer.checkpoint import TrainingState
+
+    cfg = RunConfig(
+        name=f"{ranks}-{strategy}",
+        output_dir=str(work),
+        model={"name_or_path": model_dir},
+        trainer={"num_processes": ranks, "strategy": strategy, "num_threads": args.threads},
+        rewards=["asyncgrpo.testing.even_token_reward"],
+    )
+    run_dir = work / cfg.name
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump()))
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    model = load_policy(cfg, model_dir)
+    vocab = model.config.vocab_size
+    trainer = make_trainer(cfg, model, run_dir, model_dir)
+    try:
+        trainer.step(make_groups(args, vocab, 0))  # warm-up
+        steps = []
+        for k in range(args.steps):
+            groups = make_groups(args, vocab, k + 1)
+            start = time.perf_counter()
+            trainer.step(groups)
+            steps.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        weights = list(trainer.named_weights(torch.bfloat16))
+        gather = time.perf_counter() - start
+        start = time.perf_counter()
+        trainer.save_checkpoint(run_dir / "checkpoints", TrainingState(1, 1, {}, {}))
+        save = time.perf_counter() - start
+    finally:
+        trainer.close()
+    samples = args.groups * args.group_size
+    step = statistics.median(steps)
+    return {
+        "config": name,
+        "step_s": step,
+        "samples_per_s": samples / step,
+        "gather_s": gather,
+        "checkpoint_s": save,
+        "published_mb": sum(t.numel() * t.element_size() for _, t in weights) / 2**20,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if args.tiny:
+            from asyncgrpo.testing import save_tiny_model_dir
+
+            model_dir = str(save_tiny_model_dir(work / "model"))
+        else:
+            from asyncgrpo.models import resolve_model
+
+            model_dir = str(resolve_model("smollm2-135m"))
+        rows = [measure(args, model_dir, *config, work) for config in CONFIGS]
+    base = rows[0]["step_s"]
+    print(
+        f"{'config':<14} {'step s':>8} {'speed-up':>9} {'samples/s':>10} {'gather s':>9} "
+        f"{'ckpt s':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['config']:<14} {r['step_s']:>8.2f} {base / r['step_s']:>8.2f}x "
+            f"{r['samples_per_s']:>10.2f} {r['gather_s']:>9.3f} {r['checkpoint_s']:>7.2f}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1)
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
