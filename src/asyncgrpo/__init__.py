@@ -10,4 +10,14 @@ __version__ = "0.1.0"
 
 from asyncgrpo.api import AsyncGRPOConfig, AsyncGRPOTrainer
 
-__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "__version__"]
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "RunAborted", "__version__"]
+
+
+def __getattr__(name: str):
+    """`asyncgrpo.RunAborted` (what a stopped run raises), imported on first use: the
+    engine and worker processes import this package and need none of the run."""
+    if name == "RunAborted":
+        from asyncgrpo.run_context import RunAborted
+
+        return RunAborted
+    raise AttributeError(f"module 'asyncgrpo' has no attribute {name!r}")

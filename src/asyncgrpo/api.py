@@ -6,55 +6,36 @@
                      train_dataset=ds, eval_dataset=held_out, args=args).train()
 
 `AsyncGRPOConfig` takes every field of the typed `RunConfig` by its own name
-when it is a top-level field (`name`, `seed`, `max_steps`) or unique across sections (`learning_rate`, `max_staleness`,
-`num_generations`, ...) or by its dotted path (`"engine.num_threads"`), and
-validates exactly like a YAML recipe, with the same did-you-mean errors.
+when it is a top-level field (`name`, `seed`, `max_steps`) or unique across sections
+(`learning_rate`, `max_staleness`, `num_generations`, ...), by its dotted path
+(`"engine.num_threads"`), or by TRL's `GRPOConfig` name (`max_completion_length`,
+`loss_type`, `save_steps`, ...: `config/trl_names.py`), and validates exactly like a
+YAML recipe, with the same did-you-mean errors, every mistake in one error.
+
+`AsyncGRPOTrainer` takes TRL's arguments: a model name, directory or object (with
+`processing_class`, its tokenizer), reward functions (callables, built-in names or
+dotted paths), and a `datasets.Dataset`, `DatasetDict` (its `train` split), list of
+dicts or data file path. They are checked before the engine starts. `save_model(dir)`
+exports the trained policy as a Hugging Face directory.
 """
 
 from __future__ import annotations
 
-import difflib
-from collections import Counter
+import logging
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from asyncgrpo.config import RunConfig, build_config
 
-from asyncgrpo.config import ConfigError, RunConfig, build_config
-
-
-def _flat_fields() -> dict[str, str]:
-    """Unique leaf field name -> dotted path, over all sections."""
-    paths: list[str] = []
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
-            else:
-                paths.append(f"{prefix}{name}")
-
-    walk(RunConfig, "")
-    counts = Counter(p.rsplit(".", 1)[-1] for p in paths)
-    flat = {p.rsplit(".", 1)[-1]: p for p in paths if counts[p.rsplit(".", 1)[-1]] == 1}
-    # top-level fields keep their own name even when a section has a field of that name
-    flat.update({p: p for p in paths if "." not in p})
-    return flat
+logger = logging.getLogger(__name__)
 
 
 def AsyncGRPOConfig(**kwargs: Any) -> RunConfig:  # noqa: N802 - reads like the class it builds
-    """Build a validated `RunConfig` from flat (`learning_rate=`) or dotted keys."""
-    flat = _flat_fields()
+    """Build a validated `RunConfig` from flat (`learning_rate=`), TRL or dotted keys."""
     data: dict[str, Any] = {}
     for key, value in kwargs.items():
-        path = key if "." in key else flat.get(key)
-        if path is None:
-            close = difflib.get_close_matches(key, list(flat), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown AsyncGRPOConfig argument '{key}'{hint}")
         node = data
-        *parents, leaf = path.split(".")
+        *parents, leaf = key.split(".")
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
@@ -97,3 +78,15 @@ class AsyncGRPOTrainer:
             eval_dataset=self.eval_dataset,
         )
         return self.run_dir
+
+    def save_model(self, output_dir: str | Path, step: int | None = None) -> Path:
+        """Write the trained policy (the newest checkpoint, or `step`) as a Hugging Face
+        directory that `AutoModelForCausalLM.from_pretrained` loads (under LoRA: the base
+        with the adapter merged in)."""
+        from asyncgrpo.export import export_run
+
+        if self.run_dir is None:
+            raise RuntimeError("save_model: nothing trained yet; call train() first")
+        merged = self.args.model.lora is not None
+        logger.info("%s", export_run(self.run_dir, output_dir, step=step, merged=merged))
+        return Path(output_dir)

@@ -1,5 +1,8 @@
 """`asyncgrpo serve | train | export`: thin argument parsing over the entry functions.
 
+`--help` speaks to a user (what each command does, every flag with its default); this
+docstring to a developer.
+
 `serve` runs the embedded engine behind its HTTP server (what `EngineProcess`
 launches as a child, and what a user starts by hand to point other tools at);
 with `--upstream-url` the same server fronts a vLLM server instead of loading
@@ -9,6 +12,9 @@ Its settings are the fields of `EngineConfig` (a recipe's `engine:` section):
 flag (`--max-model-len 2048`) that overrides the file. The defaults are the
 model's own, so a recipe, `asyncgrpo serve` and `Engine` never disagree.
 The connection limits and timeouts (`server/connections.py`) are fields too.
+`--model` also takes a run's checkpoint (`RUN_DIR/checkpoints/step-N`) or weights
+snapshot (`RUN_DIR/weights/step-N.safetensors`): neither is a model directory, so it is
+exported (`asyncgrpo.export`, LoRA merged) into a temporary directory served from there.
 `train` hands over to `asyncgrpo.run.main`. `export` writes a run's trained policy as
 a model (or LoRA adapter) directory (`asyncgrpo.export`). Errors a user can fix (a wrong
 model path, a missing package, a bad value) print one line and exit non-zero,
@@ -18,62 +24,161 @@ without a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 from asyncgrpo.config import ConfigError, EngineConfig, ModelConfig, build_config
 
 TOKEN_ENV = "ASYNCGRPO_ADMIN_TOKEN"
-# EngineConfig fields that describe how a trainer reaches an engine, not the server itself
-CLIENT_SIDE = ("type", "base_url", "admin_token_env", "startup_timeout_s", "weight_transport")
+# EngineConfig fields that describe how a run reaches or launches its engines, not the
+# server itself: `serve` offers no flag for them (a --config file may still hold them)
+CLIENT_SIDE = (
+    "type",
+    "base_url",
+    "admin_token_env",
+    "startup_timeout_s",
+    "weight_transport",
+    "replicas",
+    "vllm_python",
+    "vllm_args",
+    "vllm_env",
+    "vllm_host",
+    "allow_unauthenticated_vllm",
+)
+DESCRIPTION = """\
+Train a language model with asynchronous GRPO: an inference engine samples completions
+while the trainer learns from the previous ones, then the new weights reach the engine.
+`train` runs a recipe, `serve` answers OpenAI-style requests with a model (or a trained
+run's checkpoint), `export` turns a run into a model directory that transformers loads."""
 
 
 class CliError(Exception):
     """A problem the user can fix; printed as one line."""
 
 
-def resolve_model_dir(name: str) -> str:
-    """A local model directory for `name` (a shipped model's name or a directory)."""
+def resolve_model_dir(name: str, scratch: contextlib.ExitStack) -> str:
+    """A local model directory for `name`: a shipped model's name, a model directory, or a
+    run's checkpoint / weights snapshot (exported to a directory `scratch` removes)."""
     from asyncgrpo.models import resolve_model
 
+    found = run_weights(Path(name))
+    if found is not None:
+        return export_for_serving(*found, scratch)
     try:
         return str(resolve_model(name))
     except Exception as exc:
         raise CliError(f"cannot resolve model {name!r}: {exc}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncgrpo", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def run_weights(path: Path) -> tuple[Path, int] | None:
+    """(run directory, step) when `path` is `RUN_DIR/checkpoints/step-N` (no config.json
+    of its own) or `RUN_DIR/weights/step-N.safetensors`; None for anything else."""
+    from asyncgrpo.export import STEP_NAME
 
-    serve = commands.add_parser("serve", help="run the embedded engine's HTTP server")
-    serve.add_argument("--config", help="engine settings (a recipe's `engine:` section), JSON/YAML")
-    serve.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default loopback only)"
+    match = STEP_NAME.match(path.name)
+    if match is None or (path / "config.json").is_file():
+        return None
+    is_checkpoint = path.parent.name == "checkpoints" and path.is_dir()
+    is_snapshot = path.parent.name == "weights" and path.is_file() and bool(match.group(2))
+    if not (is_checkpoint or is_snapshot):
+        return None
+    return path.parent.parent, int(match.group(1))
+
+
+def export_for_serving(run_dir: Path, step: int, scratch: contextlib.ExitStack) -> str:
+    """The run's step as a model directory in a temporary folder (LoRA merged into the base)."""
+    from asyncgrpo.export import ExportError, export_run
+
+    out_dir = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="asyncgrpo-serve-")))
+    try:
+        print(export_run(run_dir, out_dir / "model", step=step, merged=True), flush=True)
+    except ExportError as exc:
+        raise CliError(f"cannot serve step {step} of {run_dir}: {exc}") from None
+    return str(out_dir / "model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncgrpo",
+        description=DESCRIPTION,
+        epilog="`asyncgrpo COMMAND --help` describes each command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    serve.add_argument("--port", type=int, default=8000)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser(
+        "train",
+        help="train a model from a recipe (see `asyncgrpo train --help`)",
+        add_help=False,
+    )
+    commands.add_parser(
+        "plot",
+        help="redraw a run's PNG plots, or compare runs (see `asyncgrpo plot --help`)",
+        add_help=False,
+    )
+    add_serve_parser(commands)
+    add_export_parser(commands)
+    return parser
+
+
+def add_serve_parser(commands) -> None:
+    """`serve`'s own flags, then one flag per server-side `EngineConfig` field."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model (or a run's checkpoint) over an OpenAI-compatible HTTP API",
+        description="Serve a model with the embedded engine behind OpenAI-compatible routes "
+        "(/v1/completions, /v1/chat/completions). Every engine setting below is also a field "
+        "of a recipe's `engine:` section; flags override --config.",
+    )
+    serve.add_argument(
+        "--config",
+        help="a JSON/YAML file of engine settings (a recipe's `engine:` section) "
+        "(default: none, every setting at its default)",
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     serve.add_argument(
         "--admin-token",
         default=None,
-        help=f"bearer token for the control routes (default: ${TOKEN_ENV}; none = refused)",
+        help=f"bearer token for the control routes (default: ${TOKEN_ENV}; unset: those "
+        "routes are refused)",
     )
-    serve.add_argument("--log-level", default="warning", help="uvicorn log level")
+    serve.add_argument(
+        "--log-level", default="warning", help="uvicorn's log level (default: warning)"
+    )
     for name, field in EngineConfig.model_fields.items():
-        if name in CLIENT_SIDE:
-            continue
-        doc = " ".join((field.description or "").split())
-        serve.add_argument(
-            f"--{name.replace('_', '-')}",
-            dest=f"engine.{name}",
-            default=argparse.SUPPRESS,
-            metavar=name.upper(),
-            help=f"{doc} (default: {field.default})",
-        )
+        if name not in CLIENT_SIDE:
+            serve.add_argument(
+                f"--{name.replace('_', '-')}",
+                dest=f"engine.{name}",
+                default=argparse.SUPPRESS,
+                metavar=name.upper(),
+                help=field_help(name, field),
+            )
 
-    commands.add_parser(
-        "train", help="train from a recipe (see `asyncgrpo train --help`)", add_help=False
-    )
+
+def field_help(name: str, field) -> str:
+    """A field's docstring and default as help text (`%` escaped for argparse)."""
+    if name == "model":  # serve's own meaning of an unset model
+        from asyncgrpo.models import DEFAULT_MODEL
+
+        doc = (
+            "a model directory, a shipped model's name, a hub id in the local Hugging Face "
+            "cache, or a run's RUN_DIR/checkpoints/step-N or RUN_DIR/weights/step-N.safetensors"
+        )
+        default = DEFAULT_MODEL
+    else:
+        doc = " ".join((field.description or "").split())
+        default = field.get_default(call_default_factory=True)
+    return f"{doc} (default: {default})".replace("%", "%%")
+
+
+def add_export_parser(commands) -> None:
 
     export = commands.add_parser(
         "export", help="write a run's trained model (or LoRA adapter) as a loadable directory"
@@ -84,9 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--step", type=int, help="the checkpoint or weights snapshot of this step (default: newest)"
     )
     export.add_argument(
-        "--merged", action="store_true", help="LoRA runs: merge the adapter into the base model"
+        "--merged",
+        action="store_true",
+        help="LoRA runs: merge the adapter into the base model (default: the adapter alone)",
     )
-    return parser
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -113,9 +219,16 @@ def serve(args: argparse.Namespace) -> int:
 
     exit_with_parent()  # a no-op unless started by EngineProcess
     cfg = engine_config(args)
-    token = args.admin_token or os.environ.get(TOKEN_ENV) or None
     name = cfg.model or ModelConfig().name_or_path
-    cfg = cfg.model_copy(update={"model": resolve_model_dir(name)})
+    with contextlib.ExitStack() as scratch:  # a checkpoint's exported copy, removed on exit
+        cfg = cfg.model_copy(update={"model": resolve_model_dir(name, scratch)})
+        serve_model(args, cfg, name)
+    return 0
+
+
+def serve_model(args: argparse.Namespace, cfg: EngineConfig, name: str) -> None:
+    """Load `cfg.model` and answer requests until interrupted."""
+    token = args.admin_token or os.environ.get(TOKEN_ENV) or None
     from asyncgrpo.agents.toolcalls import get_parser
 
     try:
@@ -139,7 +252,6 @@ def serve(args: argparse.Namespace) -> int:
     run_server(
         create_app(engine, settings), cfg, host=args.host, port=args.port, log_level=args.log_level
     )
-    return 0
 
 
 def export(args: argparse.Namespace) -> int:
@@ -187,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         from asyncgrpo.run import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["plot"]:  # so does `plot` (run directories, --compare)
+        from asyncgrpo.metrics import plot_main
+
+        return plot_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return export(args) if args.command == "export" else serve(args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -100,11 +101,16 @@ def train_demo(recipe: str, overrides: list[str]) -> int:
 
 
 def serve_demo(args: argparse.Namespace) -> int:
-    try:
-        model_dir = resolve_model_dir(args.model)
-    except CliError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as scratch:  # a run checkpoint is exported for the demo
+        try:
+            model_dir = resolve_model_dir(args.model, scratch)
+        except CliError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return _serve_demo(args, model_dir)
+
+
+def _serve_demo(args: argparse.Namespace, model_dir: str) -> int:
     log = Path(tempfile.gettempdir()) / "asyncgrpo-demo-engine.log"
     log.unlink(missing_ok=True)
     print(f"starting the engine on {model_dir} (log: {log}) ...", flush=True)

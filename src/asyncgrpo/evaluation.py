@@ -4,7 +4,12 @@ Every `eval_steps` (and before the first step, and at the end) the held-out
 rows are sampled through the run's `GroupBuilder` (`evaluate`: greedy
 completions for single-turn runs, episodes for agent runs) on the rollout loop,
 with whatever weights the engine holds; the result is logged with the step it
-started at once it is done. At most one evaluation runs at a time.
+started at once it is done. At most one evaluation runs at a time, and a step
+the run directory already holds an evaluation of (a resumed run starts at its
+checkpoint's step, often one that was evaluated) is not evaluated again.
+
+Each result says how it sampled (`eval_decoding`: "greedy", or "sampled" for
+agent episodes), so plots can say so next to the train reward, which is sampled.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 
 from asyncgrpo.loop_thread import LoopThread
 from asyncgrpo.rollout.builder import GroupBuilder
+from asyncgrpo.rollout.episodes import EpisodeGroupBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +55,8 @@ class Evaluator:
         if self.rows is None:
             return
         due = final or step % self.every == 0
-        if self._running is None and due and self._last_step != step:
+        fresh = self._last_step != step and not self.tracker.has_eval(step)
+        if self._running is None and due and fresh:
             self._running = (step, self.loop.submit(self._evaluate(step)))
             self._last_step = step
         if final:
@@ -72,4 +79,5 @@ class Evaluator:
         count = min(len(self.rows), self.limit or len(self.rows))
         rows = [dict(self.rows[i]) for i in range(count)] * self.repeats
         result = await self.builder.evaluate(rows)
-        return {**result, "eval_version": step}
+        decoding = "sampled" if isinstance(self.builder, EpisodeGroupBuilder) else "greedy"
+        return {**result, "eval_version": step, "eval_decoding": decoding}

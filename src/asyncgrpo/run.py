@@ -52,12 +52,13 @@ def run_to_end(r: RunContext, stop: threading.Event, resume: bool = False) -> No
         r.start_engine()
         if resume:
             r.resume()
+        r.publish_trainer_state()
         r.sync_weights()  # the engine samples with the trainer's weights from the start
         r.start_watchdog()  # logs what the run waits for whenever nothing moves
         r.producer = r.loop.submit(continuous_rollouts(r))
         continuous_training(r, stop)
         r.checkpoint(force=True)
-        if not stop.is_set():
+        if not stop.is_set() and not r.out_of_time():  # the budget covers the evaluation too
             with r.doing("final evaluation"):
                 r.evaluator.maybe_start(r.step, final=True)
     finally:
@@ -69,6 +70,7 @@ async def continuous_rollouts(r: RunContext) -> None:
     busy = asyncio.create_task(record_engine_busy(r.engine.client, r.tracker))
     try:
         while not r.orchestrator.stopping:
+            await asyncio.sleep(r.orchestrator.backoff_s())  # 0 unless groups keep failing
             try:  # the staleness throttle: block until one more group may start
                 admitted = await asyncio.to_thread(r.buffer.wait_admit, 0.2)
             except BufferClosed:

@@ -35,6 +35,7 @@ from asyncgrpo.metrics.rows import StepRows
 from asyncgrpo.rollout.builder import GroupBuilder
 from asyncgrpo.rollout.orchestrator import Orchestrator
 from asyncgrpo.rollout.prompts import PromptStream
+from asyncgrpo.rollout.rewards import TrainerState
 from asyncgrpo.rollout.types import Group
 from asyncgrpo.trainer.base import Trainer
 from asyncgrpo.trainer.checkpoint import Checkpointer
@@ -46,7 +47,8 @@ LOOP_ANSWER_S = 60.0  # the rollout loop answers a bookkeeping call within this,
 
 
 class RunAborted(RuntimeError):
-    """The run cannot continue (a fatal reward error, an engine that will not come back)."""
+    """The run cannot continue (a fatal reward error, an engine that will not come back,
+    every group dropped)."""
 
 
 @dataclass
@@ -97,9 +99,14 @@ class RunContext:
 
     def start_engine(self) -> None:
         """Wait for the engine; meanwhile the transport lays out the first sync."""
+        from asyncgrpo.engine.process import EngineProcessError
+
         layout = list(self.trainer.named_weights(self.weight_dtype))
         with self.doing("waiting for the engine to start"):
-            self.loop.run(self.engine.wait_ready(layout))
+            try:
+                self.loop.run(self.engine.wait_ready(layout))
+            except EngineProcessError as exc:
+                raise RunAborted(f"the engine did not start: {exc}") from None
 
     def start_watchdog(self) -> None:
         period = self.cfg.coordinator.watchdog_s
@@ -132,7 +139,8 @@ class RunContext:
     def next_batch(self, stop: threading.Event) -> list[Group] | None:
         """Wait for a full batch of fresh groups, watching the engine and the producer.
 
-        Returns None when `stop` is set while waiting; aborts after `request_timeout_s`.
+        Returns None when `stop` is set or `max_time_s` is spent while waiting; aborts
+        after `request_timeout_s`, or when the orchestrator finds that no group can succeed.
         """
         timeout = self.cfg.rollout.request_timeout_s
         deadline = time.monotonic() + timeout
@@ -140,6 +148,13 @@ class RunContext:
             while not stop.is_set():
                 self._check_producer()
                 self._revive_engine()
+                if self.out_of_time():
+                    logger.warning(
+                        "max_time_s (%g s) is spent while waiting for a batch: stopping | %s",
+                        self.cfg.max_time_s,
+                        self.report(),
+                    )
+                    return None
                 try:
                     return self.buffer.get_batch(self.trainer.version, timeout=1.0)
                 except TimeoutError:
@@ -167,8 +182,17 @@ class RunContext:
             self.sync_weights()
 
     def consumed(self, groups: list[Group]) -> None:
+        """The groups were trained on: their prompts are done, reward functions see the step."""
         for g in groups:
             self.prompts.done(g.data_index)
+        self.publish_trainer_state()
+
+    def publish_trainer_state(self) -> None:
+        """Tell reward functions (`trainer_state=`) where training is."""
+        if self.rewards is None:
+            return
+        epoch = self.prompts.cursor / len(self.prompts.rows)
+        self.rewards.trainer_state = TrainerState(self.step, self.cfg.max_steps, epoch)
 
     def checkpoint(self, force: bool = False) -> None:
         elapsed = time.monotonic() - self.start_time

@@ -11,8 +11,12 @@ Each role gets its own section of the config, unchanged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +24,17 @@ import torch
 import yaml
 
 from asyncgrpo.backend import EngineBackend, make_backend
-from asyncgrpo.config import RunConfig
+from asyncgrpo.config import ConfigError, RunConfig
 from asyncgrpo.coordinator.buffer import RolloutBuffer
 from asyncgrpo.evaluation import Evaluator
 from asyncgrpo.loop_thread import LoopThread
 from asyncgrpo.metrics.rows import StepRows
 from asyncgrpo.metrics.tracker import MetricsTracker
 from asyncgrpo.rollout.builder import GroupBuilder
-from asyncgrpo.rollout.data import load_prompts
+from asyncgrpo.rollout.data import DatasetError, dataset_rows, load_prompts
 from asyncgrpo.rollout.orchestrator import Orchestrator
 from asyncgrpo.rollout.prompts import PromptStream
-from asyncgrpo.rollout.rewards import RewardRunner
+from asyncgrpo.rollout.rewards import RewardRunner, RewardSpecError
 from asyncgrpo.run_context import RunContext
 from asyncgrpo.trainer.base import Trainer
 from asyncgrpo.trainer.build import load_policy, make_trainer, prepare_policy
@@ -39,8 +43,9 @@ from asyncgrpo.trainer.checkpoint import Checkpointer
 logger = logging.getLogger(__name__)
 
 
-def _model_dir(cfg: RunConfig, model: Any, run_dir: Path) -> str:
-    """A directory the engine process can load: the resolved name, or the user's model saved."""
+def _model_dir(cfg: RunConfig, model: Any, tokenizer: Any, run_dir: Path) -> str:
+    """A directory the engine process can load: the resolved name, or the user's model saved
+    with its tokenizer (`processing_class`, else the one of the directory it came from)."""
     if model is None or isinstance(model, str | Path):
         from asyncgrpo.models import resolve_model
 
@@ -48,14 +53,64 @@ def _model_dir(cfg: RunConfig, model: Any, run_dir: Path) -> str:
     target = run_dir / "initial_model"
     if not (target / "config.json").exists():
         model.save_pretrained(target)
+    if not (target / "tokenizer_config.json").exists():
+        _tokenizer_for(model, tokenizer).save_pretrained(target)
     return str(target)
+
+
+def _tokenizer_for(model: Any, tokenizer: Any) -> Any:
+    if tokenizer is not None:
+        return getattr(tokenizer, "tokenizer", tokenizer)  # a processor holds its tokenizer
+    source = getattr(model, "name_or_path", "") or ""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        raise ConfigError(
+            f"the model object came from {source or 'no directory'!r}, which has no tokenizer "
+            "the engine can load: pass processing_class=tokenizer"
+        ) from None
 
 
 def _check(cfg: RunConfig, funcs: list, agent: bool) -> None:
     if agent and len(cfg.advantage.reward_weights or [1.0]) != 1:
-        raise ValueError("advantage.reward_weights: an agent run has one reward (the rollout's)")
+        raise ConfigError("advantage.reward_weights: an agent run has one reward (the rollout's)")
     if not funcs and not agent:
-        raise ValueError("no reward functions: set `rewards:` in the recipe or pass reward_funcs")
+        raise ConfigError("no reward functions: set `rewards:` in the recipe or pass reward_funcs")
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """Dataset and reward mistakes as `ConfigError`: one line, no traceback on the CLI."""
+    try:
+        yield
+    except (DatasetError, RewardSpecError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _prompt_rows(cfg: RunConfig, train: Any, held_out: Any, agent: bool) -> tuple[list, Any]:
+    """(train rows, held-out rows or None), read and checked: the recipe's `dataset:` unless
+    the API passed datasets."""
+    if train is None:
+        train, loaded = load_prompts(cfg.dataset, cfg.seed)
+        if held_out is None:
+            return train, loaded
+    else:
+        column = None if agent else cfg.dataset.get("prompt_column", "prompt")
+        train = dataset_rows(train, "train_dataset", ("train",), column)
+    if held_out is not None:
+        column = None if agent else cfg.dataset.get("prompt_column", "prompt")
+        held_out = dataset_rows(held_out, "eval_dataset", ("test", "validation", "eval"), column)
+    return train, held_out
+
+
+def _cwd_importable() -> None:
+    """Dotted reward paths resolve from the current directory, as in `python -m`: append it
+    to sys.path (after installed packages, so it shadows none of them)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
 
 
 def build_run(
@@ -69,43 +124,35 @@ def build_run(
     eval_dataset: Any = None,
     rollout_func: Any = None,
 ) -> RunContext:
-    from transformers import AutoTokenizer
-
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
     agent = rollout_func is not None or cfg.agent.rollout is not None
-    _check(cfg, funcs, agent)
+    with _user_errors():  # every input is checked before the engine starts
+        _check(cfg, funcs, agent)
+        train_rows, eval_rows = _prompt_rows(cfg, train_dataset, eval_dataset, agent)
+        _cwd_importable()
+        rewards = _rewards(cfg, funcs)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
-    run_dir = Path(resume) if resume else Path(cfg.output_dir) / cfg.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-
-    model_dir = _model_dir(cfg, model, run_dir)
-    lora = cfg.model.lora
-    engine_cfg = cfg.engine.model_copy(
-        update={
-            "model": cfg.engine.model or model_dir,
-            "max_lora_rank": cfg.engine.max_lora_rank or (lora.r if lora else None),
-        }
-    )
-    engine = make_backend(engine_cfg, run_dir, episodes=agent)
-    engine.launch()  # the engine loads its copy of the model while this process loads its own
-    rewards = trainer = None
+    engine = trainer = None
     try:
+        run_dir = Path(resume) if resume else Path(cfg.output_dir) / cfg.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        model_dir = _model_dir(cfg, model, tokenizer, run_dir)
+        engine = _engine(cfg, model_dir, run_dir, agent)
+        engine.launch()  # the engine loads its copy of the model while this process loads its own
         if tokenizer is None:
+            from transformers import AutoTokenizer
+
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = (
             load_policy(cfg, model_dir)
             if model is None or isinstance(model, str | Path)
             else prepare_policy(cfg, model.float())
         )
-        if train_dataset is None:
-            train_dataset, loaded_eval = load_prompts(cfg.dataset, cfg.seed)
-            eval_dataset = eval_dataset if eval_dataset is not None else loaded_eval
         tracker = MetricsTracker(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
-        rewards = _rewards(cfg, funcs)
         trainer = make_trainer(cfg, model, run_dir, model_dir)
         builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func)
         repeats = cfg.agent.eval_repeats if agent else 1  # sampled episodes: average some
@@ -116,8 +163,8 @@ def build_run(
             trainer,
             builder,
             tracker,
-            train_dataset,
-            eval_dataset,
+            train_rows,
+            eval_rows,
             rewards=rewards,
             eval_repeats=repeats,
         )
@@ -126,8 +173,20 @@ def build_run(
             rewards.close()
         if trainer is not None:
             trainer.close()
-        asyncio.run(engine.close())
+        if engine is not None:
+            asyncio.run(engine.close())
         raise
+
+
+def _engine(cfg: RunConfig, model_dir: str, run_dir: Path, agent: bool) -> EngineBackend:
+    lora = cfg.model.lora
+    engine_cfg = cfg.engine.model_copy(
+        update={
+            "model": cfg.engine.model or model_dir,
+            "max_lora_rank": cfg.engine.max_lora_rank or (lora.r if lora else None),
+        }
+    )
+    return make_backend(engine_cfg, run_dir, episodes=agent)
 
 
 def _rewards(cfg: RunConfig, funcs: list) -> RewardRunner | None:
@@ -180,7 +239,12 @@ def assemble_run(
     )
     weight_dtype = getattr(torch, cfg.engine.resolved_dtype())
     checkpoints = Checkpointer(
-        trainer, run_dir, cfg.checkpoint_steps, cfg.save_weights_steps, weight_dtype
+        trainer,
+        run_dir,
+        cfg.checkpoint_steps,
+        cfg.save_weights_steps,
+        weight_dtype,
+        keep=cfg.save_total_limit,
     )
     return RunContext(
         cfg=cfg,

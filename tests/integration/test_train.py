@@ -392,14 +392,21 @@ def test_kill_9_then_resume_continues_from_the_checkpoint(tmp_path, tiny_model_d
     assert len(positions) == len(set(positions)), "a prompt was trained twice"
 
 
-def test_a_build_that_fails_after_the_engine_started_stops_it(tmp_path, tiny_model_dir):
+def test_a_build_that_fails_after_the_engine_started_stops_it(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     """The engine starts before the trainer's model loads; a later error must not orphan it."""
+    from asyncgrpo import wiring
     from asyncgrpo.config import RunConfig
-    from asyncgrpo.wiring import build_run
 
-    cfg = base_config(tmp_path, tiny_model_dir, "bad-data")
-    cfg["dataset"] = {"path": str(tmp_path / "missing.jsonl")}
+    cfg = base_config(tmp_path, tiny_model_dir, "late-failure")
+    cfg["dataset"] = {"builtin": "arithmetic", "size": 8}
     cfg["rewards"] = ["asyncgrpo.testing:even_token_reward"]
-    with pytest.raises(Exception, match="missing.jsonl"):
-        build_run(RunConfig.model_validate(cfg))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the trainer could not be built")
+
+    monkeypatch.setattr(wiring, "make_trainer", fail)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        wiring.build_run(RunConfig.model_validate(cfg))
     assert engine_children() == []

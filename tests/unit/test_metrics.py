@@ -274,7 +274,7 @@ def test_sinks_receive_flat_scalars(tmp_path):
 def test_progress_plain_lines_when_not_a_tty():
     stream = io.StringIO()  # not a TTY
     clock = FakeClock()
-    progress = ProgressDisplay(10, stream=stream, log_every_s=30.0, clock=clock)
+    progress = ProgressDisplay(10, stream=stream, log_every_steps=3, clock=clock)
     metrics = {
         "reward_mean": 0.5,
         "staleness_mean": 0.75,
@@ -288,11 +288,12 @@ def test_progress_plain_lines_when_not_a_tty():
     progress.close()
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue()
-    # first step, every 30 s after it, and the last step
+    # the first step, every third step, and the last step
     assert [line.split("|")[0].strip() for line in lines] == [
         "step  1/10",
-        "step  4/10",
-        "step  7/10",
+        "step  3/10",
+        "step  6/10",
+        "step  9/10",
         "step 10/10",
     ]
     assert lines[0] == (

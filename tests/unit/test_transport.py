@@ -231,3 +231,31 @@ def test_receiver_reads_disk_weights_only_under_weights_dir(tmp_path):
         f"cannot read weights at <path>: update_info.path must be an existing regular file "
         f"under {os.path.realpath(root)} (engine.weights_dir)"
     }
+
+
+def test_a_new_segment_removes_those_of_dead_creators_only(tmp_path):
+    """A SIGKILLed trainer leaves its segment in tmpfs; the next one to allocate removes
+    it, and leaves the files of live processes (this one's) alone."""
+    import subprocess
+    import sys
+
+    from asyncgrpo.transport.shm import SEGMENT_PREFIX, SharedSegment
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    orphan = tmp_path / f"{SEGMENT_PREFIX}{dead.stdout.strip()}-0123456789ab.safetensors"
+    live = tmp_path / f"{SEGMENT_PREFIX}{os.getpid()}-ba9876543210.safetensors"
+    other = tmp_path / "unrelated-file"
+    for path in (orphan, live, other):
+        path.write_bytes(b"x" * 16)
+    segment = SharedSegment(64, tmp_path)
+    try:
+        assert not orphan.exists()
+        assert live.exists() and other.exists() and segment.path.exists()
+    finally:
+        segment.close()
+    assert not segment.path.exists()

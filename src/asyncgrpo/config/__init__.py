@@ -28,6 +28,14 @@ from asyncgrpo.config.rollout import (
     RolloutConfig,
 )
 from asyncgrpo.config.training import AdvantageConfig, LossConfig, TrainerConfig
+from asyncgrpo.config.trl_names import (
+    NO_EQUIVALENT,
+    TRL_TARGETS,
+    known_names,
+    leaf_paths,
+    log_notes,
+    translate,
+)
 
 __all__ = [
     "AdvantageConfig",
@@ -68,6 +76,9 @@ class RunConfig(Section):
     rest stay unseen by training, e.g. for scoring the final weights on a larger set."""
     checkpoint_steps: int = Field(25, ge=1)
     """Checkpoint every this many steps (and at exit)."""
+    save_total_limit: int | None = Field(2, ge=1)
+    """Checkpoints kept in `checkpoints/` (the newest; None: all). Each holds the weights and
+    the optimizer state, about three times the model's size in fp32."""
     save_weights_steps: int | None = Field(None, ge=1)
     """Also write the model weights alone to `weights/step-NNNNNN.safetensors` every this
     many steps, in the engine's dtype (`engine.dtype`: the policy the engine samples with).
@@ -113,16 +124,34 @@ def _explain(error: ValidationError, model: type[BaseModel]) -> str:
         if err["type"] == "extra_forbidden" and dotted in MOVED:
             lines.append(f"'{dotted}' moved to '{MOVED[dotted]}'")
         elif err["type"] == "extra_forbidden":
-            valid = _fields_at(model, path)
-            close = difflib.get_close_matches(str(path[-1]), valid, n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
-            lines.append(f"unknown key '{dotted}'{hint}")
+            lines.append(f"unknown key '{dotted}'{_hint(model, path)}")
         elif err["type"] == "value_error" and not path:  # a check across sections
             lines.append(err["msg"].removeprefix("Value error, "))
         else:
             msg = err["msg"].removeprefix("Value error, ")
             lines.append(f"'{dotted}': {msg} (got {err.get('input')!r})")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _hint(model: type[BaseModel], path: tuple) -> str:
+    """Where an unknown key probably belongs: the TRL name's field, else the closest name."""
+    leaf = str(path[-1])
+    if leaf in TRL_TARGETS:
+        return f"; TRL's '{leaf}' is '{TRL_TARGETS[leaf]}' here"
+    if leaf in NO_EQUIVALENT:
+        return f"; TRL's '{leaf}' has no equivalent here: {NO_EQUIVALENT[leaf]}"
+    if len(path) == 1:  # the top level also takes flat and TRL names
+        sections = leaf_paths(model).get(leaf, [])
+        if len(sections) > 1:
+            return f"; it is in several sections, give one: {', '.join(sections)}"
+        names = known_names(model)
+        close = difflib.get_close_matches(leaf, list(names), n=1)
+        if close:
+            where = names[close[0]]
+            return f"; did you mean '{close[0]}'" + (f" ('{where}')?" if where != close[0] else "?")
+    valid = _fields_at(model, path)
+    close = difflib.get_close_matches(leaf, valid, n=1)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -143,10 +172,21 @@ def build_config(data: dict, overrides: list[str] = (), model: type[BaseModel] =
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {item}: '{k}' is not a section")
         node[keys[-1]] = value
+    notes: list[str] = []
+    problems: list[str] = []
+    if model is RunConfig:  # TRL's names and flat names, as AsyncGRPOConfig takes them
+        data, notes, problems = translate(data, model)
     try:
-        return model.model_validate(data)
+        cfg = model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, model)) from None
+        message = _explain(exc, model)
+        if problems:
+            message += "\n  " + "\n  ".join(problems)
+        raise ConfigError(message) from None
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    log_notes(notes)
+    return cfg
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

@@ -76,7 +76,9 @@ class EngineConfig(Section):
     max_num_seqs: int = Field(64, ge=1)
     """Sequences the embedded engine decodes together (KV-cache slots)."""
     max_model_len: int | None = Field(None, ge=16)
-    """Context limit (prompt + completion); None: the model's own limit, at most 4096."""
+    """Context limit (prompt + completion). None: the model's own limit (`max_position_embeddings`
+    in its config.json) when that is smaller than 4096, else 4096. A value above the model's
+    limit is refused when the engine starts."""
     prefix_cache_tokens: int = Field(4096, ge=0)
     """Prompt tokens whose keys and values the embedded engine keeps for later prompts
     with the same prefix (system prompts, agent conversations); 0 turns it off. Costs

@@ -42,7 +42,7 @@ from asyncgrpo.adapters import (
 from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.request import Request
-from asyncgrpo.engine.runner import ModelRunner
+from asyncgrpo.engine.runner import SUPPORTED_ARCHITECTURES, ModelRunner
 from asyncgrpo.engine.scheduler import STAGING_SLOTS, Scheduler
 from asyncgrpo.engine.types import EngineError, PauseMode, SamplingParams, TokenDelta
 
@@ -376,8 +376,9 @@ def _check_prompt(prompt_ids: list[int], max_model_len: int, vocab_size: int) ->
 
 def _load_model(path: str, dtype: torch.dtype, compute_dtype: torch.dtype):
     """(tokenizer, model): weights rounded to `dtype`, computed in `compute_dtype`, frozen."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    _check_architecture(AutoConfig.from_pretrained(path).model_type, path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model = model.to(compute_dtype).eval()  # bf16 values are exact in fp32
@@ -385,13 +386,28 @@ def _load_model(path: str, dtype: torch.dtype, compute_dtype: torch.dtype):
     return tokenizer, model
 
 
+def _check_architecture(model_type: str, path: str) -> None:
+    """Refuse, before the weights load, a model the embedded engine's forward cannot run."""
+    if model_type in SUPPORTED_ARCHITECTURES:
+        return
+    raise EngineError(
+        f"{path}: model_type '{model_type}' is not one the embedded engine runs "
+        f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Train it with `engine.type: vllm` "
+        '(asyncgrpo launches a vLLM server; README, "Training with vLLM"), or serve it with '
+        "vLLM and front that server with `asyncgrpo serve --upstream-url URL`",
+        500,
+    )
+
+
 def _context_limit(config: EngineConfig, model) -> int:
-    """`config.max_model_len`, checked against the model; default min(model limit, 4096)."""
+    """`config.max_model_len`, checked against the model; by default the model's own limit
+    (`max_position_embeddings`), capped at 4096 so the default KV cache stays small."""
     limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
     if config.max_model_len and config.max_model_len > limit:
         raise EngineError(
             f"max_model_len={config.max_model_len} exceeds the model's "
-            f"max_position_embeddings={limit}",
+            f"max_position_embeddings={limit}: lower engine.max_model_len (--max-model-len) "
+            "or leave it unset to use the model's limit",
             500,
         )
     return int(config.max_model_len or min(limit, 4096))

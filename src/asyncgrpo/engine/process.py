@@ -4,7 +4,9 @@ The engine gets its own process so its torch threads never contend with the
 trainer's inside one interpreter, and so a crash in it cannot take the trainer
 down. This class owns that child: a free loopback port, a fresh admin token
 (passed through the environment, never on the command line where `ps` shows it),
-the log file, readiness polling, restart, and reaping on exit.
+the log file, readiness polling, restart, and reaping on exit. A child that dies
+before it is ready is explained by its own last words from the log (`last_words`),
+so the user sees why, not only an exit code.
 """
 
 from __future__ import annotations
@@ -58,6 +60,22 @@ def exit_with_parent(period: float = 1.0) -> None:
     threading.Thread(target=watch, name="asyncgrpo-parent-watch", daemon=True).start()
 
 
+def last_words(output: str, max_lines: int = 5) -> str:
+    """The lines of a dead child's output that say why it died.
+
+    `asyncgrpo serve` reports a problem it recognises as one `error: ...` line; anything
+    else ends in a traceback whose last line is the exception. Lines are joined with
+    " | " so the cause fits a one-line message.
+    """
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    if errors:
+        return errors[-1].removeprefix("error:").strip()
+    if "Traceback (most recent call last):" in lines:
+        return lines[-1]
+    return " | ".join(line[:300] for line in lines[-max_lines:])
+
+
 class EngineProcess:
     """A supervised `asyncgrpo serve` child process bound to 127.0.0.1.
 
@@ -75,6 +93,7 @@ class EngineProcess:
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
         self._log = None
+        self._log_start = 0  # where this start's output begins in the (appended) log
         self._config_file: str | None = None
 
     @property
@@ -119,10 +138,17 @@ class EngineProcess:
             env["OMP_NUM_THREADS"] = str(self.config.num_threads)
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.log_path, "ab")
-        out = self._log or subprocess.DEVNULL
+            self._log = open(self.log_path, "a+b")
+            self._log_start = self._log.tell()
+        else:  # unnamed, so that a failed start can still be explained from the output
+            self._log = tempfile.TemporaryFile()
+            self._log_start = 0
         self._proc = subprocess.Popen(
-            self.command(), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            self.command(),
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def alive(self) -> bool:
@@ -133,11 +159,7 @@ class EngineProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
-                code = self._proc.returncode if self._proc else None
-                raise EngineProcessError(
-                    f"engine process exited with code {code} before becoming ready"
-                    + (f"; see {self.log_path}" if self.log_path else "")
-                )
+                raise EngineProcessError(self._start_failure())
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
                     return
@@ -145,6 +167,22 @@ class EngineProcess:
                 pass
             time.sleep(0.25)
         raise EngineProcessError(f"engine not ready within {timeout:.0f}s")
+
+    def _start_failure(self) -> str:
+        """Why the child died before becoming ready: its exit code and its last words."""
+        code = self._proc.returncode if self._proc else None
+        message = f"engine process exited with code {code} before becoming ready"
+        cause = last_words(self._read_log_tail()) if self._log is not None else ""
+        if cause:
+            message += f": {cause}"
+        return message + (f" (full log: {self.log_path})" if self.log_path else "")
+
+    def _read_log_tail(self, max_bytes: int = 65536) -> str:
+        """The end of this start's output (pread: the child shares the file offset)."""
+        fd = self._log.fileno()
+        size = os.fstat(fd).st_size
+        start = max(self._log_start, size - max_bytes)
+        return os.pread(fd, size - start, start).decode(errors="replace")
 
     def restart(self, timeout: float = 300.0) -> None:
         self.stop()

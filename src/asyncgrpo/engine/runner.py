@@ -139,8 +139,9 @@ class ModelRunner:
         config = model.config
         if config.model_type not in SUPPORTED_ARCHITECTURES:
             raise EngineError(
-                f"the embedded engine does not support model_type '{config.model_type}' yet "
-                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}); serve it with vLLM",
+                f"the embedded engine does not run model_type '{config.model_type}' "
+                f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}); use "
+                "`engine.type: vllm`",
                 status=500,
             )
         self.model = model

@@ -1,10 +1,15 @@
 """PNG plots drawn from a run directory's files alone (`asyncgrpo plot RUN_DIR`).
 
 `plot_run` writes to `RUN_DIR/plots/`:
-- `reward.png`: train reward mean ± std and held-out eval reward, vs step and vs wall-clock;
-- `staleness.png`: histogram of consumed samples by staleness (summed `staleness_counts`);
+- `reward.png`: train reward (sampled) mean ± std and held-out reward (greedy, or
+  sampled for agent episodes), vs step and vs wall-clock;
+- `staleness.png`: histogram of trained groups by staleness (summed `staleness_counts`),
+  with the groups dropped as too stale as `accounting.json` counts them;
 - `timeline.png`: engine-busy vs trainer-busy (and weight-sync) intervals — the overlap;
-- `pipeline.png`: throughput, overlap ratios, staleness and queue depth per step.
+- `pipeline.png`: throughput, overlap ratios, staleness (mean and max) and the buffer's
+  queued / in-flight groups per step, each panel on its own labelled axis.
+
+`reward_figure`, `staleness_figure` and `pipeline_figure` return the figures unsaved.
 
 `plot_compare` draws held-out reward vs wall-clock for several runs (the benchmark figure).
 
@@ -16,6 +21,7 @@ imported on first use, so importing asyncgrpo does not pay for it.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,6 +29,7 @@ from pathlib import Path
 from .timeline import ENGINE, TRAINER, WEIGHT_SYNC, busy_ratio, read_timeline
 from .tracker import TIMELINE_FILE, read_metrics
 
+ACCOUNTING_FILE = "accounting.json"
 ROLE_COLORS = {ENGINE: "tab:blue", TRAINER: "tab:orange", WEIGHT_SYNC: "tab:red"}
 
 
@@ -55,6 +62,15 @@ def _time_axis(seconds: list[float]) -> tuple[list[float], str]:
     return seconds, "wall-clock (s)"
 
 
+def _decoding(evals) -> str:
+    """How the held-out rows were sampled; lines written before `eval_decoding` existed
+    are greedy unless they come from agent episodes (which carry `eval_untrainable`)."""
+    for row in evals:
+        if isinstance(row.get("eval_decoding"), str):
+            return row["eval_decoding"]
+    return "sampled" if any("eval_untrainable" in row for row in evals) else "greedy"
+
+
 def _reward_panel(ax, train, evals, x_key: str) -> None:
     if not train and not evals:
         _no_data(ax, "reward")
@@ -67,57 +83,82 @@ def _reward_panel(ax, train, evals, x_key: str) -> None:
         xlabel, ex = "optimizer step", _col(evals, x_key)
     mean, std = _col(train, "reward_mean"), _col(train, "reward_std")
     if train:
-        ax.plot(xs, mean, color="tab:blue", lw=1.5, label="train reward (mean)")
+        ax.plot(xs, mean, color="tab:blue", lw=1.5, label="train, sampled: mean")
         lo = [m - (s if math.isfinite(s) else 0) for m, s in zip(mean, std)]
         hi = [m + (s if math.isfinite(s) else 0) for m, s in zip(mean, std)]
-        ax.fill_between(xs, lo, hi, color="tab:blue", alpha=0.15, lw=0, label="± std")
+        ax.fill_between(xs, lo, hi, color="tab:blue", alpha=0.15, lw=0, label="train: ± 1 std")
     if evals:
-        ax.plot(
-            ex,
-            _col(evals, "eval_reward_mean"),
-            "o-",
-            color="tab:green",
-            ms=5,
-            lw=1,
-            label="held-out reward",
-        )
+        ys = _col(evals, "eval_reward_mean")
+        label = f"held-out, {_decoding(evals)}: mean"
+        ax.plot(ex, ys, "o-", color="tab:green", ms=5, lw=1, label=label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
 
 
-def plot_reward(train, evals, out: Path) -> Path:
+def reward_figure(train, evals):
     fig, (by_step, by_time) = _figure(ncols=2, size=(11.0, 4.0))
     _reward_panel(by_step, train, evals, "step")
     _reward_panel(by_time, train, evals, "time_s")
     by_step.set_title("reward vs step")
     by_time.set_title("reward vs wall-clock")
-    fig.savefig(out)
+    return fig
+
+
+def plot_reward(train, evals, out: Path) -> Path:
+    reward_figure(train, evals).savefig(out)
     return out
 
 
-def plot_staleness(train, out: Path) -> Path:
+def read_accounting(run_dir: Path) -> dict | None:
+    """`accounting.json` (where every admitted group went), or None if absent or unreadable."""
+    try:
+        return json.loads((run_dir / ACCOUNTING_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def dropped_stale(train, accounting: Mapping | None) -> int:
+    """Groups dropped as too stale: accounting.json's count, else the last row's (both are
+    run totals, so rows are not summed)."""
+    if accounting is not None:
+        return int((accounting.get("dropped") or {}).get("stale", 0))
+    counts = [v for v in _col(train, "dropped_stale") if math.isfinite(v)]
+    return int(counts[-1]) if counts else 0
+
+
+def staleness_figure(train, accounting: Mapping | None = None):
     counts: dict[int, int] = {}
     for row in train:
         for k, n in (row.get("staleness_counts") or {}).items():
             if isinstance(n, (int, float)):
                 counts[int(k)] = counts.get(int(k), 0) + int(n)
     fig, (ax,) = _figure(size=(6.0, 4.0))
-    dropped = sum(v for v in _col(train, "dropped_stale") if math.isfinite(v))
+    stale = dropped_stale(train, accounting)
+    other = sum((accounting or {}).get("dropped", {}).values()) - stale if accounting else 0
+    dropped = f"dropped as too stale: {stale}" + (f" (other drops: {other})" if other else "")
     if counts:
         keys = list(range(min(counts), max(counts) + 1))
         ax.bar(keys, [counts.get(k, 0) for k in keys], color="tab:purple", width=0.8)
         ax.set_xticks(keys)
-        mean = sum(k * n for k, n in counts.items()) / max(sum(counts.values()), 1)
-        ax.set_title(f"staleness of consumed samples (mean {mean:.2f}, dropped {dropped:.0f})")
+        total = max(sum(counts.values()), 1)
+        mean = sum(k * n for k, n in counts.items()) / total
+        ax.set_title(
+            f"staleness of trained groups\n{total} trained, mean {mean:.2f}; {dropped}",
+            fontsize=10,
+        )
     else:
         _no_data(ax, "staleness_counts")
-        ax.set_title("staleness of consumed samples")
+        ax.set_title(f"staleness of trained groups\n{dropped}", fontsize=10)
     ax.set_xlabel("staleness (policy versions behind)")
-    ax.set_ylabel("samples")
+    ax.set_ylabel("groups")
     ax.grid(alpha=0.3, axis="y")
-    fig.savefig(out)
+    return fig
+
+
+def plot_staleness(train, out: Path, accounting: Mapping | None = None) -> Path:
+    staleness_figure(train, accounting).savefig(out)
     return out
 
 
@@ -146,29 +187,69 @@ def plot_timeline(intervals, out: Path) -> Path:
     return out
 
 
-def plot_pipeline(train, out: Path) -> Path:
-    fig, axes = _figure(ncols=3, size=(13.0, 3.6))
+# (title, y-axis label, [(metric key, legend name, line style)]) per pipeline panel
+PIPELINE_PANELS = [
+    (
+        "throughput",
+        "tokens / s",
+        [
+            ("gen_tokens_per_s", "generated (engine)", "-"),
+            ("train_tokens_per_s", "trained (trainer)", "-"),
+        ],
+    ),
+    (
+        "overlap",
+        "fraction of the step's time",
+        [
+            ("engine_busy_ratio", "engine busy", "-"),
+            ("trainer_idle_ratio", "trainer idle (waiting for a batch)", "-"),
+        ],
+    ),
+    (
+        "staleness of the trained groups",
+        "policy versions behind",
+        # max as markers only, on top: it often equals the mean and would hide under a line
+        [("staleness_mean", "mean", "-"), ("staleness_max", "max", "v")],
+    ),
+    (
+        "rollout buffer",
+        "groups",
+        [
+            ("queue_size", "queued (ready to train)", "-"),
+            ("in_flight", "in flight (being generated)", "--"),
+        ],
+    ),
+]
+
+
+def pipeline_figure(train):
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = _figure(ncols=2, nrows=2, size=(11.0, 6.5))
     steps = _col(train, "step")
-    panels = [
-        ("throughput (tok/s)", ["gen_tokens_per_s", "train_tokens_per_s"]),
-        ("overlap", ["engine_busy_ratio", "trainer_idle_ratio"]),
-        ("staleness / queue", ["staleness_mean", "staleness_max", "queue_size"]),
-    ]
-    for ax, (title, keys) in zip(axes, panels):
+    for ax, (title, ylabel, lines) in zip(axes, PIPELINE_PANELS):
         drawn = False
-        for key in keys:
+        for key, name, style in lines:
             ys = _col(train, key)
             if any(math.isfinite(y) for y in ys):
-                ax.plot(steps, ys, lw=1.3, label=key)
+                ax.plot(steps, ys, style, lw=1.5, ms=5, label=name)
                 drawn = True
         if drawn:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=8, loc="best")
         else:
             _no_data(ax, title)
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    fig.savefig(out)
+    axes[1].set_ylim(-0.02, 1.02)  # a ratio
+    for ax in axes[2:]:  # versions and groups are whole numbers
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
+
+
+def plot_pipeline(train, out: Path) -> Path:
+    pipeline_figure(train).savefig(out)
     return out
 
 
@@ -181,7 +262,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     intervals = read_timeline(run_dir / TIMELINE_FILE)
     return [
         plot_reward(train, evals, out_dir / "reward.png"),
-        plot_staleness(train, out_dir / "staleness.png"),
+        plot_staleness(train, out_dir / "staleness.png", read_accounting(run_dir)),
         plot_timeline(intervals, out_dir / "timeline.png"),
         plot_pipeline(train, out_dir / "pipeline.png"),
     ]

@@ -1,10 +1,11 @@
 """Terminal progress: one live line on a TTY, periodic plain lines otherwise.
 
 On a terminal the line is a tqdm bar (tqdm comes with transformers) whose
-postfix shows reward, staleness and both throughputs. When the stream is not a
-TTY (CI logs, `nohup`, a pipe) carriage-return redraws would produce garbage,
-so the display prints a full plain line every `log_every_s` seconds, plus the
-first and the last step.
+postfix shows the train reward, the last held-out reward (and the step it was
+taken at), staleness and both throughputs. When the stream is not a TTY (CI
+logs, `nohup`, a pipe) carriage-return redraws would produce garbage, so the
+display prints a full plain line every `log_every_steps` optimizer steps (every
+step by default), plus the first and the last.
 
 ETA is measured from the steps done in this process (a resumed run does not
 count the steps it inherited); the plain lines also cap it by the wall-clock
@@ -43,10 +44,12 @@ def _fmt(value: float, spec: str) -> str:
 
 
 def summarize(metrics: Mapping[str, Any]) -> str:
-    """`reward 0.42 | stale 0.8/2 | gen 210 tok/s | train 140 tok/s` from a step line."""
+    """`reward 0.42 | held-out 0.50 @20 | stale 0.8/2 | gen 210 tok/s | train 140 tok/s`
+    from a step line (the held-out part once an evaluation is logged)."""
     parts = [f"reward {_fmt(_num(metrics, 'reward_mean'), '.3f')}"]
     if "eval_reward_mean" in metrics:
-        parts.append(f"eval {_fmt(_num(metrics, 'eval_reward_mean'), '.3f')}")
+        at = f" @{metrics['eval_step']}" if "eval_step" in metrics else ""
+        parts.append(f"held-out {_fmt(_num(metrics, 'eval_reward_mean'), '.3f')}{at}")
     stale_mean, stale_max = _num(metrics, "staleness_mean"), _num(metrics, "staleness_max")
     parts.append(f"stale {_fmt(stale_mean, '.1f')}/{_fmt(stale_max, '.0f')}")
     parts.append(f"gen {_fmt(_num(metrics, 'gen_tokens_per_s'), '.0f')} tok/s")
@@ -64,7 +67,7 @@ class ProgressDisplay:
         start_step: int = 0,
         max_time_s: float | None = None,
         stream: TextIO | None = None,
-        log_every_s: float = 30.0,
+        log_every_steps: int = 1,
         live: bool | None = None,
         clock=time.monotonic,
     ):
@@ -72,10 +75,10 @@ class ProgressDisplay:
         self.start_step = start_step
         self.max_time_s = max_time_s
         self.stream = stream if stream is not None else sys.stderr
-        self.log_every_s = log_every_s
+        self.log_every_steps = max(int(log_every_steps), 1)
         self._clock = clock
         self._t_start = clock()
-        self._last_print = -math.inf
+        self._printed_any = False
         self._step = start_step
         if live is None:
             live = bool(getattr(self.stream, "isatty", lambda: False)())
@@ -116,10 +119,9 @@ class ProgressDisplay:
             self._bar.set_postfix_str(summarize(metrics), refresh=False)
             self._bar.update(max(advance, 0))
             return
-        now = self._clock()
-        first_or_last = step >= self.max_steps or self._last_print == -math.inf
-        if first_or_last or now - self._last_print >= self.log_every_s:
-            self._last_print = now
+        first_or_last = step >= self.max_steps or not self._printed_any
+        if first_or_last or step % self.log_every_steps == 0:
+            self._printed_any = True
             eta = self.eta_s(step, _num(metrics, "time_s"))
             width = len(str(self.max_steps))
             self.write(

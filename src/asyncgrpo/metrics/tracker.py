@@ -9,13 +9,17 @@ Files written under `runs/<name>/` (all JSON Lines, appended and flushed per lin
     staleness — the histogram field), `dropped_stale`, `queue_size`, the overlap
     ratios, throughputs, loss statistics, `reward/<function>` means, ...
   - `"kind": "eval"`: held-out evaluation, `{"step", "time_s", "eval_reward_mean", ...}`.
-- `samples.jsonl` — sampled completions, `{"step", ...row}`.
+- `samples.jsonl` — one line per consumed group: `{"step", "group_id", "data_index",
+  "min_version", "prompt", "samples": [{"completion", "reward", "rewards", ...}]}`
+  (see `rows.py`).
 - `timeline.jsonl` — role busy intervals (see `timeline.py`).
 
 NaN and inf are written as `null`; numpy and torch scalars become numbers.
 
 Resuming: files are opened for appending, and `truncate_after(step)` drops
-lines of steps the checkpoint does not contain. The run clock continues from
+lines of steps the checkpoint does not contain. The evaluations kept are
+remembered (`has_eval`), so a resumed run does not evaluate the checkpoint's
+step a second time. The run clock continues from
 the last kept `time_s`, so wall-clock axes measure training time, not downtime.
 
 Aggregation (`aggregate_metrics`) takes the union of keys across rows and
@@ -130,8 +134,12 @@ class MetricsTracker:
         self._timeline_file = JsonlWriter(self.run_dir / TIMELINE_FILE)
         self._t0 = time.monotonic()
         self.timeline = Timeline(self.elapsed, self._timeline_file)
+        self.last_eval: dict | None = None  # the newest eval line, for the progress line
+        self._eval_steps: set[int] = set()
         if resume_step is not None:
             self.truncate_after(resume_step)
+        else:
+            self._read_evals()
         extra = list(report_to)
         cfg = to_jsonable(dict(config)) if config is not None else None
         self.sinks: list[Sink] = list(sinks or []) + make_sinks(
@@ -154,7 +162,18 @@ class MetricsTracker:
 
     def log_eval(self, step: int, metrics: Mapping[str, Any]) -> dict:
         """Append a held-out evaluation line (`eval_reward_mean`, ...) for `step`."""
-        return self._log("eval", step, metrics)
+        self.last_eval = self._log("eval", step, metrics)
+        self._eval_steps.add(int(step))
+        return self.last_eval
+
+    def has_eval(self, step: int) -> bool:
+        """Whether metrics.jsonl already holds an evaluation of `step`."""
+        return int(step) in self._eval_steps
+
+    def _read_evals(self) -> None:
+        evals = read_metrics(self.run_dir)[1]
+        self._eval_steps = {int(r["step"]) for r in evals if _is_num(r["step"])}
+        self.last_eval = evals[-1] if evals else None
 
     def log_samples(self, step: int, rows: Iterable[Mapping[str, Any]]) -> None:
         """Append sampled completions (prompt, completion, reward, ...) for `step`."""
@@ -181,6 +200,7 @@ class MetricsTracker:
         """
         self._metrics.rewrite(lambda rows: [r for r in rows if _step_of(r) <= step])
         self._samples.rewrite(lambda rows: [r for r in rows if _step_of(r) <= step])
+        self._read_evals()
         times = [r["time_s"] for r in iter_jsonl(self._metrics.path) if _is_num(r.get("time_s"))]
         resume_time = float(max(times, default=0.0))
 

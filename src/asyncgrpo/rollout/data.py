@@ -32,6 +32,7 @@ import csv
 import json
 import logging
 import random
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,47 @@ def _hf_rows(name: str, config: str | None, split: str) -> list[dict]:
     return _pick_split(loaded, split, name).to_list()
 
 
+def dataset_rows(
+    data: Any,
+    label: str,
+    splits: tuple[str, ...] = ("train",),
+    prompt_column: str | None = "prompt",
+) -> list[dict]:
+    """Checked rows of a dataset passed as an object (`AsyncGRPOTrainer(train_dataset=...)`):
+    a `datasets.Dataset`, a `DatasetDict` (the first of `splits` it has), a list of dicts,
+    or the path of a data file or `save_to_disk` directory (read like `dataset.path`).
+    `prompt_column` None: rows need not hold a prompt (agent tasks)."""
+    if isinstance(data, str | Path):
+        label, data = str(data), read_file_rows(Path(data), splits[0])
+    datasets = sys.modules.get("datasets")  # a datasets object means it is imported
+    if datasets is not None and isinstance(data, datasets.DatasetDict):
+        found = [s for s in splits if s in data]
+        if not found:
+            raise DatasetError(
+                f"{label}: the DatasetDict has no {' or '.join(map(repr, splits))} split "
+                f"(splits: {', '.join(data)}); pass one split, e.g. ds['{next(iter(data))}']"
+            )
+        data = data[found[0]]
+    if datasets is not None and isinstance(data, datasets.Dataset):
+        data = data.to_list()
+    if not isinstance(data, list | tuple):
+        raise DatasetError(
+            f"{label}: expected a datasets.Dataset, a DatasetDict, a list of dicts or the path "
+            f"of a data file, got {type(data).__name__}"
+        )
+    if not data:
+        raise DatasetError(f"{label} is empty")
+    if prompt_column is None:
+        return [_mapping(row, i, label) for i, row in enumerate(data)]
+    return validate_rows(data, label, prompt_column)
+
+
+def _mapping(row: Any, index: int, label: str) -> dict:
+    if not isinstance(row, Mapping):
+        raise DatasetError(f"{label}: row {index} is a {type(row).__name__}, not a mapping")
+    return dict(row)
+
+
 # ---- validation ------------------------------------------------------------------------
 
 
@@ -251,7 +293,8 @@ def validate_rows(rows: Any, label: str, prompt_column: str = "prompt") -> list[
         row = dict(row)
         if prompt_column not in row:
             raise DatasetError(
-                f"{label}: row {i} has no '{prompt_column}' column (columns: {sorted(row)})"
+                f"{label}: row {i} has no '{prompt_column}' column (columns: {sorted(row)}); "
+                "rename the prompt column to 'prompt' or set dataset.prompt_column"
             )
         if prompt_column != "prompt":
             row["prompt"] = row.pop(prompt_column)

@@ -9,6 +9,13 @@ engine error, or a builder's own `GroupDropped` reason such as `no_reward`).
 Every admitted group ends in exactly one of those places; exceptions are never
 swallowed silently: each failure kind is counted and its first occurrence
 logged. The groups being built, and since when, are what the watchdog reports.
+
+A run in which every group is dropped would otherwise spin forever (a reward that
+always raises, constant rewards, rows without a prompt). `DropStreak` counts the
+groups dropped since one last reached the buffer: while failures pile up the
+producer backs off before starting the next group (`backoff_s`), so a failure that
+costs nothing never loops hot; once the streak is long and old enough, the run
+stops with a `NoProgress` error naming the cause, its first error and the fix.
 """
 
 from __future__ import annotations
@@ -18,13 +25,113 @@ import logging
 import time
 import traceback
 from collections import Counter
+from dataclasses import dataclass, field
 
 from asyncgrpo.coordinator.buffer import RolloutBuffer
 from asyncgrpo.rollout.builder import GroupBuilder, GroupDropped
 from asyncgrpo.rollout.prompts import PromptStream
 from asyncgrpo.rollout.rewards import RewardFailure, RewardTimeout
+from asyncgrpo.rollout.types import Group
 
 logger = logging.getLogger(__name__)
+
+# A streak of failed groups (any cause but zero variance) stops the run once it spans this
+# many batches (at least ERROR_MIN_GROUPS groups) and ERROR_MIN_S seconds.
+ERROR_BATCHES, ERROR_MIN_GROUPS, ERROR_MIN_S = 3, 12, 10.0
+# Zero-variance groups are normal on a hard task, so their streak must be much longer.
+CONSTANT_BATCHES, CONSTANT_MIN_GROUPS, CONSTANT_MIN_S = 8, 32, 30.0
+MAX_BACKOFF_S = 1.0  # the longest pause before a new group while failures pile up
+
+FIXES = {
+    "reward_error": "correct the reward function named above, which fails on every group; "
+    "`rollout.reward_error_policy: abort` stops at its first error",
+    "reward_timeout": "make the reward function faster or raise rollout.reward_timeout_s",
+    "missing_prompt": "give every dataset row a 'prompt' column (a string or a list of "
+    "chat messages)",
+    "no_reward": "make the reward functions return numbers, not None or NaN",
+    "prompt_too_long": "shorten the prompts or raise engine.max_model_len",
+    "zero_variance": "check the reward functions (a sample is above); if the task is too "
+    "hard for the model, make it easier or raise rollout.num_generations or "
+    "rollout.temperature (`rollout.filter_zero_variance: false` trains on such groups, "
+    "with zero advantage)",
+}
+DEFAULT_FIX = "see the first error above (and engine.log in the run directory)"
+
+
+class NoProgress(RuntimeError):
+    """Every group of a long streak was dropped: the run cannot train."""
+
+
+@dataclass
+class DropStreak:
+    """Groups dropped since one last reached the buffer: per cause, how many and the first
+    error; for zero variance, a sample group."""
+
+    batch_groups: int
+    causes: Counter[str] = field(default_factory=Counter)
+    first_errors: dict[str, str] = field(default_factory=dict)
+    constant_sample: Group | None = None
+    since: float = 0.0
+
+    def progress(self) -> None:
+        self.causes.clear()
+        self.first_errors.clear()
+        self.constant_sample = None
+
+    def dropped(self, cause: str, error: str, group: Group | None = None) -> None:
+        if not self.causes:
+            self.since = time.monotonic()
+        self.causes[cause] += 1
+        self.first_errors.setdefault(cause, error)
+        if group is not None and self.constant_sample is None:
+            self.constant_sample = group
+
+    @property
+    def failures(self) -> int:
+        """Dropped groups of the streak that failed (not merely zero variance)."""
+        return self.causes.total() - self.causes["zero_variance"]
+
+    def backoff_s(self) -> float:
+        """Pause before the next group: none for a lone failure, doubling up to a second."""
+        if self.failures < 2:
+            return 0.0
+        return min(MAX_BACKOFF_S, 0.005 * 2.0 ** min(self.failures, 16))
+
+    def verdict(self) -> str | None:
+        """Why the run cannot go on, once the streak is long and old enough; else None."""
+        total, age = self.causes.total(), time.monotonic() - self.since
+        if not total:
+            return None
+        cause = self.causes.most_common(1)[0][0]
+        need, min_s = self._limits(cause)
+        if total < need or age < min_s:
+            return None
+        counts = ", ".join(f"{c}: {n}" for c, n in self.causes.most_common())
+        head = f"no progress: the last {total} groups ({age:.0f} s) were all dropped ({counts})"
+        return f"{head}. {self._cause_text(cause)}\nfix: {FIXES.get(cause, DEFAULT_FIX)}"
+
+    def _limits(self, cause: str) -> tuple[int, float]:
+        """(groups, seconds) the streak must reach before `cause` stops the run."""
+        if cause == "zero_variance":
+            return max(CONSTANT_BATCHES * self.batch_groups, CONSTANT_MIN_GROUPS), CONSTANT_MIN_S
+        return max(ERROR_BATCHES * self.batch_groups, ERROR_MIN_GROUPS), ERROR_MIN_S
+
+    def _cause_text(self, cause: str) -> str:
+        if cause != "zero_variance" or self.constant_sample is None:
+            return f"First {cause}: {self.first_errors[cause]}"
+        g = self.constant_sample
+        lines = [f"  prompt: {_clip(g.row.get('prompt'))}"]
+        for r in g.rollouts[:3]:
+            lines.append(f"  completion: {_clip(r.text)} -> rewards {r.rewards}")
+        return (
+            "The rewards are constant: every completion of a group got the same reward, so "
+            "there is nothing to learn from. A sample group:\n" + "\n".join(lines)
+        )
+
+
+def _clip(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Orchestrator:
@@ -52,6 +159,7 @@ class Orchestrator:
         self._stopping = False
         self.fatal: BaseException | None = None
         self.failures: Counter[str] = Counter()
+        self.streak = DropStreak(buffer.batch_groups)
 
     @property
     def generated_tokens(self) -> int:
@@ -63,6 +171,10 @@ class Orchestrator:
 
     def stop(self) -> None:
         self._stopping = True
+
+    def backoff_s(self) -> float:
+        """How long the producer waits before the next group (failures piling up)."""
+        return self.streak.backoff_s()
 
     def building(self) -> list[tuple[int, float]]:
         """(group id, seconds since it started) of every group being built, oldest first."""
@@ -92,7 +204,7 @@ class Orchestrator:
             self._building.pop(group_id, None)
 
     async def _build_and_hand_over(self, group_id: int, position: int, row: dict) -> None:
-        outcome = "generation_error"
+        outcome, error, group = "generation_error", "", None
         try:
             if self._limit:
                 async with self._limit:
@@ -103,24 +215,37 @@ class Orchestrator:
                 outcome = "zero_variance"
             else:
                 self.buffer.put(group)
+                self.streak.progress()
                 return  # the position stays pending until the trainer consumes it
         except asyncio.CancelledError:
             raise  # shutting down: the group stays counted in flight
         except GroupDropped as exc:
-            outcome = exc.reason
+            outcome, error = exc.reason, str(exc)
             if exc.log:
                 self._log_first(outcome, exc)
         except RewardFailure as exc:  # reward_error, reward_timeout
-            outcome = exc.reason
+            outcome, error = exc.reason, str(exc)
             self._log_first(outcome, exc)
             if self.on_reward_error == "abort":
-                self.fatal = exc
-                self.stop()
+                self._abort(exc)
         except Exception as exc:  # engine errors and bugs: counted and logged, never silent
+            error = f"{type(exc).__name__}: {exc}"
             self._log_first(outcome, exc)
         self.failures[outcome] += 1
         self.buffer.discard(outcome)
         self.prompts.done(position)
+        self._count_drop(outcome, error, group)
+
+    def _count_drop(self, outcome: str, error: str, group: Group | None) -> None:
+        """Add the drop to the streak; stop the run when the streak says it cannot train."""
+        self.streak.dropped(outcome, error, group if outcome == "zero_variance" else None)
+        verdict = self.streak.verdict()
+        if verdict is not None and self.fatal is None:
+            self._abort(NoProgress(verdict))
+
+    def _abort(self, exc: BaseException) -> None:
+        self.fatal = exc
+        self.stop()
 
     def _log_first(self, kind: str, exc: BaseException) -> None:
         if self.failures[kind] == 0:

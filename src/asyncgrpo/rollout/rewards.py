@@ -7,6 +7,10 @@ the row's prompt repeated `n` times, `completions` the decoded texts,
 as a keyword argument repeated `n` times. As in TRL, a conversational prompt
 (a list of messages) gets conversational completions,
 `[{"role": "assistant", "content": text}]`; a plain-text prompt gets strings.
+A function that takes `trainer_state` (by name, or through `**kwargs`) gets a
+`TrainerState` too, with the attribute names of TRL's (`transformers.TrainerState`)
+that reward shaping reads: `global_step`, `max_steps`, `epoch`. Functions that take
+neither do not get it.
 
 `RewardRunner` resolves each entry of `rewards:` — a Python callable, a
 built-in name from `asyncgrpo.tasks`, or a dotted path `package.module:function`
@@ -38,6 +42,7 @@ import numbers
 import pickle
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from asyncgrpo.rollout.reward_workers import (
@@ -68,6 +73,30 @@ class RewardTimeout(RewardFailure):
 
 class RewardSpecError(ValueError):
     """A `rewards:` entry that does not name a usable function."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Training progress as reward functions see it (`trainer_state=`), named as in TRL.
+
+    `global_step`: optimizer steps done; `max_steps`: the run's `max_steps`; `epoch`:
+    passes over the training prompts so far (fractional, counted at dispatch)."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+
+
+def takes_trainer_state(func: Callable) -> bool:
+    """Whether `func` accepts a `trainer_state` keyword (by name or through `**kwargs`)."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (some builtins): do not pass it
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD or (p.name == "trainer_state" and p.kind is not p.POSITIONAL_ONLY)
+        for p in params
+    )
 
 
 # ---- resolution ------------------------------------------------------------------------
@@ -165,6 +194,8 @@ class RewardRunner:
             seen[name] += 1
             self.names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
         self.timeout_s = timeout_s
+        self.takes_state = [takes_trainer_state(f) for f in self.funcs]
+        self.trainer_state = TrainerState()  # replaced (never changed) by the run as it trains
         self.running = RunningCalls()  # what the watchdog reports
         plain = [None if _is_async(f) else f for f in self.funcs]
         if workers == "process":
@@ -208,6 +239,8 @@ class RewardRunner:
 
     async def _call(self, index: int, kwargs: dict) -> Any:
         name, func = self.names[index], self.funcs[index]
+        if self.takes_state[index]:
+            kwargs = {**kwargs, "trainer_state": self.trainer_state}
         try:
             if _is_async(func):
                 return await run_on_loop(name, func(**kwargs), self.timeout_s, self.running)

@@ -62,6 +62,11 @@ class SingleTurnBuilder:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     async def build(self, group_id: int, position: int, row: dict) -> Group:
+        if "prompt" not in row:
+            raise GroupDropped(
+                "missing_prompt",
+                f"a dataset row has no 'prompt' column (its columns: {', '.join(row) or '-'})",
+            )
         s = self.sampling
         seed = None if s.seed is None else (s.seed * 7919 + group_id) % (2**31)
         rollouts = await self._sample(self.render(row["prompt"]), s, seed)

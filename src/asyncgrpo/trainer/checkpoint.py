@@ -107,10 +107,11 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     state: TrainingState,
-    keep: int = 2,
+    keep: int | None = None,
 ) -> Path:
     """Write `directory/step-NNNNNN` atomically and point `latest` at it (on a sharded
-    trainer, rank 0 writes while the other ranks run `checkpoint_tensors` with it)."""
+    trainer, rank 0 writes while the other ranks run `checkpoint_tensors` with it); with
+    `keep`, remove all but the newest `keep` checkpoints."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{state.step:06d}"
@@ -139,9 +140,15 @@ def save_checkpoint(
     latest_tmp = directory / ".latest.tmp"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, directory / "latest")
-    for old in sorted(directory.glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(directory, keep)
     return final
+
+
+def prune_checkpoints(directory: Path, keep: int | None) -> None:
+    """Remove all but the newest `keep` checkpoints (None: keep them all)."""
+    if keep is not None:
+        for old in sorted(Path(directory).glob("step-*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def checkpointed_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -266,8 +273,10 @@ class Checkpointer:
         every: int,
         snapshot_every: int | None,
         snapshot_dtype: torch.dtype,
+        keep: int | None = 2,
     ):
         self.trainer = trainer
+        self.keep = keep  # `save_total_limit`
         self.accounting_path = Path(run_dir) / "accounting.json"
         self.directory = Path(run_dir) / "checkpoints"
         self.weights_directory = Path(run_dir) / "weights"
@@ -297,6 +306,7 @@ class Checkpointer:
             self.trainer.save_checkpoint(
                 self.directory, TrainingState(step, self.trainer.version, data_position, extra)
             )
+            prune_checkpoints(self.directory, self.keep)
             self.write_accounting(accounting)
 
     def write_accounting(self, accounting: dict) -> None:

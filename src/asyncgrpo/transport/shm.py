@@ -44,11 +44,35 @@ def _unlink(path: str) -> None:
         pass
 
 
+def remove_orphans(directory: Path) -> list[Path]:
+    """Unlink segments whose creator is gone: a trainer killed with SIGKILL never runs its
+    finalizer, and tmpfs keeps the file (RAM) until reboot. The creator's pid is in the
+    name; a live process with that pid (even a reused one) keeps its files."""
+    removed = []
+    for path in directory.glob(f"{SEGMENT_PREFIX}*"):
+        pid = path.name.removeprefix(SEGMENT_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _unlink(str(path))
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 class SharedSegment:
     """A fixed-size shared-memory file, mapped read-write by its creator."""
 
     def __init__(self, size: int, directory: Path):
         self.size = size
+        remove_orphans(directory)
         self.path = directory / f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(6)}.safetensors"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._finalizer = weakref.finalize(self, _unlink, str(self.path))
