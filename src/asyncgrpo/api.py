@@ -22,10 +22,12 @@ exports the trained policy as a Hugging Face directory.
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.config import RunConfig, build_config
+from asyncgrpo.config import ConfigError, RunConfig, build_config
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +66,20 @@ class AsyncGRPOTrainer:
         self.tokenizer = processing_class
         self.run_dir: Path | None = None
 
-    def train(self, resume_from: str | Path | None = None) -> Path:
-        """Run training; returns the run directory (metrics, checkpoints, plots)."""
+    def train(
+        self,
+        resume_from: str | Path | None = None,
+        resume_from_checkpoint: bool | str | Path | None = None,
+    ) -> Path:
+        """Run training; returns the run directory (metrics, checkpoints, plots).
+
+        `resume_from`: a run directory to continue. `resume_from_checkpoint` (TRL's name):
+        True continues this config's run (`output_dir/name`); a path is a run directory
+        or its newest checkpoint (a run resumes from its newest checkpoint only)."""
         from asyncgrpo.run import train
 
+        if resume_from_checkpoint:
+            resume_from = self._resume_dir(resume_from_checkpoint)
         self.run_dir = train(
             self.args,
             resume=resume_from,
@@ -79,14 +91,40 @@ class AsyncGRPOTrainer:
         )
         return self.run_dir
 
+    def _resume_dir(self, checkpoint: bool | str | Path) -> Path:
+        from asyncgrpo.trainer.checkpoint import latest_checkpoint
+
+        if checkpoint is True:
+            return Path(self.args.output_dir) / self.args.name
+        path = Path(checkpoint)
+        if path.parent.name != "checkpoints":
+            return path  # a run directory
+        latest = latest_checkpoint(path.parent)
+        if latest is None or latest.resolve() != path.resolve():
+            raise ConfigError(
+                f"resume_from_checkpoint={str(path)!r}: a run resumes from its newest "
+                f"checkpoint ({latest.name if latest else 'none'}); pass the run directory "
+                f"{path.parent.parent}, or export that step with `asyncgrpo export --step`"
+            )
+        return path.parent.parent
+
     def save_model(self, output_dir: str | Path, step: int | None = None) -> Path:
         """Write the trained policy (the newest checkpoint, or `step`) as a Hugging Face
         directory that `AutoModelForCausalLM.from_pretrained` loads (under LoRA: the base
-        with the adapter merged in)."""
+        with the adapter merged in). TRL's habit `save_model(args.output_dir)` works too:
+        the model files land in `output_dir` beside its run directories."""
         from asyncgrpo.export import export_run
 
         if self.run_dir is None:
             raise RuntimeError("save_model: nothing trained yet; call train() first")
         merged = self.args.model.lora is not None
-        logger.info("%s", export_run(self.run_dir, output_dir, step=step, merged=merged))
-        return Path(output_dir)
+        out = Path(output_dir)
+        if out.resolve() != Path(self.args.output_dir).resolve() or not out.is_dir():
+            logger.info("%s", export_run(self.run_dir, out, step=step, merged=merged))
+            return out
+        with tempfile.TemporaryDirectory(dir=out) as scratch:
+            built = Path(scratch) / "model"
+            logger.info("%s", export_run(self.run_dir, built, step=step, merged=merged))
+            for path in built.iterdir():  # a previous save's files are replaced
+                os.replace(path, out / path.name)
+        return out

@@ -176,3 +176,21 @@ def test_cli_exports_into_an_empty_directory(tmp_path, base_dir):
     again = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2
     assert again.stderr.strip().startswith("error: ") and "Traceback" not in again.stderr
+
+
+def test_save_model_into_the_output_dir_as_trl_users_do(tmp_path, base_dir):
+    """`trainer.save_model(args.output_dir)`: the model files land beside the run
+    directories (a second save replaces them) and `from_pretrained(output_dir)` loads."""
+    from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    run = TrainedRun(tmp_path / "run", base_dir, lora=None)
+    run.train_to(2, seed=1)
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), name="run")
+    trainer = AsyncGRPOTrainer(model=str(base_dir), reward_funcs=[len], args=args)
+    trainer.run_dir = run.run_dir  # as train() leaves it
+    for _ in range(2):
+        assert trainer.save_model(str(tmp_path)) == tmp_path
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    torch.testing.assert_close(logits_of(loaded), run.logits(), atol=1e-5, rtol=0)
+    assert (tmp_path / "run" / "checkpoints").is_dir()  # the run itself is untouched
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("tmp")) == []

@@ -152,3 +152,27 @@ def test_epsilon_is_trls_clip_not_the_advantage_epsilon():
     cfg = AsyncGRPOConfig(epsilon=0.3)
     assert cfg.advantage.epsilon == 1e-4 and cfg.loss.epsilon_low == 0.3
     assert AsyncGRPOConfig(**{"advantage.epsilon": 1e-3}).advantage.epsilon == 1e-3
+
+
+def test_resume_from_checkpoint_takes_trls_forms(tmp_path, monkeypatch):
+    """True: this config's run; a run directory; its newest checkpoint; an older one is
+    refused naming the newest (a run resumes from its newest checkpoint only)."""
+    import asyncgrpo.run
+    from asyncgrpo import AsyncGRPOTrainer
+    from asyncgrpo.config import ConfigError
+
+    resumed = []
+    monkeypatch.setattr(asyncgrpo.run, "train", lambda cfg, resume, **kw: resumed.append(resume))
+    run = tmp_path / "mine"
+    for step in ("step-000002", "step-000004"):
+        (run / "checkpoints" / step).mkdir(parents=True)
+        (run / "checkpoints" / step / "state.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step-000004")
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), name="mine")
+    trainer = AsyncGRPOTrainer(model="smollm2-135m", reward_funcs=[len], args=args)
+    trainer.train(resume_from_checkpoint=True)
+    trainer.train(resume_from_checkpoint=str(run))
+    trainer.train(resume_from_checkpoint=str(run / "checkpoints" / "step-000004"))
+    assert resumed == [run, run, run]
+    with pytest.raises(ConfigError, match="newest checkpoint \\(step-000004\\)"):
+        trainer.train(resume_from_checkpoint=str(run / "checkpoints" / "step-000002"))
