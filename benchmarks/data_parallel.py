@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -45,21 +44,10 @@ def parse_args(argv=None):
 
 
 def make_groups(args, vocab: int, seed: int):
-    from asyncgrpo.rollout.types import Group, Rollout
+    """`lora.py`'s synthetic GRPO groups (same shapes and rewards), one batch per seed."""
+    from lora import make_groups as synthetic_groups  # benchmarks/ is on sys.path
 
-    rng = random.Random(seed)
-    groups = []
-    for g in range(args.groups):
-        prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
-        rollouts = []
-        for i in range(args.group_size):
-            n = args.completion_len + rng.randint(-16, 16)
-            completion = [rng.randrange(vocab) for _ in range(n)]
-            rollouts.append(
-                Rollout(prompt, completion, [-2.0] * n, [0] * n, "stop", "", [float(i % 2)])
-            )
-        groups.append(Group(seed * 100 + g, g, {}, rollouts))
-    return groups
+    return synthetic_groups(argparse.Namespace(**{**vars(args), "seed": seed}), vocab)
 
 
 def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Path) -> dict:
