@@ -226,22 +226,29 @@ def test_sync_mid_generation_splits_versions_at_the_reported_boundary(smollm2, l
 
 
 @pytest.fixture(scope="module")
-def embedded(loop, tiny_model_dir, tmp_path_factory):
-    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1)
+def embedded(loop, tmp_path_factory):
+    """The embedded engine on SmolLM2: the tiny model finishes a long request on a fast
+    machine before a sync lands, so that no pause would find it in flight."""
+    from asyncgrpo.models import resolve_model
+
+    model_dir = resolve_model("smollm2-135m")
+    cfg = EngineConfig(model=str(model_dir), dtype="float32", num_threads=1, max_model_len=2048)
     backend = EmbeddedBackend(cfg, log_path=tmp_path_factory.mktemp("embedded") / "engine.log")
     loop.run(backend.wait_ready())
-    yield backend
+    yield backend, model_dir
     loop.run(backend.close())
 
 
 @pytest.fixture(params=["embedded", "vllm"])
-def engine(request, tiny_model_dir):
+def engine(request):
     """(backend, the weights it serves, a generation long enough to pause in)."""
+    backend, model_dir = request.getfixturevalue(
+        "embedded" if request.param == "embedded" else "smollm2"
+    )
+    state = bf16_state(model_dir)
     if request.param == "embedded":
-        state = {k: v.float() for k, v in bf16_state(tiny_model_dir).items()}
-        return request.getfixturevalue("embedded"), state, 450  # 512-token context
-    backend, model_dir = request.getfixturevalue("smollm2")
-    return backend, bf16_state(model_dir), LONG
+        state = {k: v.float() for k, v in state.items()}
+    return backend, state, LONG
 
 
 async def start_generating(backend, max_tokens: int) -> asyncio.Task:
