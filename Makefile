@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-fuzz test-vllm lint format bench bench-e2e clean
+.PHONY: demo test test-slow test-fuzz test-vllm test-ray lint format bench bench-e2e clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,16 @@ $(VLLM_VENV)/.installed: benchmarks/vllm_env.sh
 test-vllm: $(STAMP) $(VLLM_VENV)/.installed
 	ASYNCGRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
 		timeout 1800 $(BIN)/python -m pytest -q -m vllm tests/vllm
+
+# Ray as the launcher, for real: installs the `ray` extra into .venv and runs the tests marked
+# `ray` on a two-node Ray cluster started on this host (about 2 minutes).
+RAY_STAMP := $(VENV)/.ray-installed
+$(RAY_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[ray]'
+	touch $@
+
+test-ray: $(RAY_STAMP)
+	timeout 900 $(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -67,7 +67,7 @@ class RunContext:
     rows: StepRows
     tracker: Any
     weight_dtype: torch.dtype
-    closers: list = field(default_factory=list)  # more to close at the end (reward pools)
+    closers: list = field(default_factory=list)  # more to close at the end (rewards, Ray)
     rewards: Any = None  # the RewardRunner, whose running calls the watchdog reports
     start_time: float = field(default_factory=time.monotonic)
     weight_sync_s: float = 0.0
@@ -266,10 +266,10 @@ class RunContext:
         except Exception:
             logger.exception("closing the engine failed")
         self.loop.stop()
-        for close in self.closers:
-            close()
         self.checkpoints.close()
         self.trainer.close()  # a data-parallel trainer stops its other ranks
+        for close in self.closers:  # reward pools, then the Ray cluster's actors
+            close()
         self.tracker.close()
 
 

@@ -133,13 +133,14 @@ def build_run(
         rewards = _rewards(cfg, funcs)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
-    engine = trainer = None
+    engine = trainer = cluster = None
     try:
         run_dir = Path(resume) if resume else Path(cfg.output_dir) / cfg.name
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
         model_dir = _model_dir(cfg, model, tokenizer, run_dir)
-        engine = _engine(cfg, model_dir, run_dir, agent)
+        cluster = _cluster(cfg, run_dir)
+        engine = _engine(cfg, model_dir, run_dir, agent, cluster)
         engine.launch()  # the engine loads its copy of the model while this process loads its own
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -153,10 +154,10 @@ def build_run(
         tracker = MetricsTracker(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
-        trainer = make_trainer(cfg, model, run_dir, model_dir)
+        trainer = make_trainer(cfg, model, run_dir, model_dir, cluster)
         builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func)
         repeats = cfg.agent.eval_repeats if agent else 1  # sampled episodes: average some
-        return assemble_run(
+        run = assemble_run(
             cfg,
             run_dir,
             engine,
@@ -175,10 +176,26 @@ def build_run(
             trainer.close()
         if engine is not None:
             asyncio.run(engine.close())
+        if cluster is not None:
+            cluster.shutdown()
         raise
+    if cluster is not None:
+        run.closers.append(cluster.shutdown)  # after the engines and the ranks
+    return run
 
 
-def _engine(cfg: RunConfig, model_dir: str, run_dir: Path, agent: bool) -> EngineBackend:
+def _cluster(cfg: RunConfig, run_dir: Path) -> Any:
+    """The run's Ray placement (`cluster.launcher: ray`), or None to run everything here."""
+    if cfg.cluster.launcher != "ray":
+        return None
+    from asyncgrpo.cluster.placement import RayCluster
+
+    return RayCluster(cfg.cluster, run_dir, cfg.engine.replicas, cfg.trainer.num_processes - 1)
+
+
+def _engine(
+    cfg: RunConfig, model_dir: str, run_dir: Path, agent: bool, cluster: Any = None
+) -> EngineBackend:
     lora = cfg.model.lora
     engine_cfg = cfg.engine.model_copy(
         update={
@@ -186,6 +203,17 @@ def _engine(cfg: RunConfig, model_dir: str, run_dir: Path, agent: bool) -> Engin
             "max_lora_rank": cfg.engine.max_lora_rank or (lora.r if lora else None),
         }
     )
+    if cluster is not None:
+        from asyncgrpo.cluster.engines import ray_engine_backend
+
+        if agent and cfg.engine.type == "vllm":
+            raise ConfigError(
+                "agent episodes with engine.type vllm under cluster.launcher ray: not yet "
+                "(the episode gateway runs beside vLLM on one machine); use the embedded "
+                "engine under Ray, or launcher local"
+            )
+
+        return ray_engine_backend(engine_cfg, cluster, run_dir, cfg.model.name_or_path)
     return make_backend(engine_cfg, run_dir, episodes=agent)
 
 

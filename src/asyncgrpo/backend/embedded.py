@@ -30,9 +30,11 @@ SYNC_ATTEMPTS = 3  # a sync interrupted by a death or a stall this many times en
 class EmbeddedBackend:
     """An `asyncgrpo serve` child process on a loopback port, restarted when it dies."""
 
-    def __init__(self, cfg: EngineConfig, log_path: Path | None = None):
+    def __init__(self, cfg: EngineConfig, log_path: Path | None = None, process=None):
+        """`process`: what runs the engine, if not a child process here (an engine on a
+        Ray node, `cluster.engines.ActorProcess`: it may come back at another address)."""
         self.cfg = cfg
-        self.process = EngineProcess(cfg, log_path=log_path)
+        self.process = process or EngineProcess(cfg, log_path=log_path)
         retry = RetryPolicy(deadline=cfg.startup_timeout_s, max_attempts=1000, max_backoff=2.0)
         # the port is known once launched; the client follows it
         self.client = EngineClient(
@@ -61,6 +63,7 @@ class EmbeddedBackend:
         if layout is not None:  # lay the first sync's buffers out while the engine loads
             await self.transport.prepare(list(layout))
         await asyncio.to_thread(self.process.wait_ready, self.cfg.startup_timeout_s)
+        self.client.base_url = self.process.base_url
 
     async def healthy(self) -> bool:
         return self.process.alive() and await self.client.health()
@@ -74,6 +77,7 @@ class EmbeddedBackend:
                 await asyncio.to_thread(self.process.restart, self.cfg.startup_timeout_s)
             except Exception as exc:
                 raise EngineDied(f"the engine could not be restarted: {exc}") from exc
+            self.client.base_url = self.process.base_url
             return True
 
     async def sync_weights(self, weights: NamedTensors, version: int, mode: str) -> None:

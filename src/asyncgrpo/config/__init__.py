@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from asyncgrpo.config.base import ConfigError, Section
+from asyncgrpo.config.cluster import ClusterConfig
 from asyncgrpo.config.engine import EngineConfig, resolve_dtype
 from asyncgrpo.config.rollout import (
     AgentConfig,
@@ -40,6 +41,7 @@ from asyncgrpo.config.trl_names import (
 __all__ = [
     "AdvantageConfig",
     "AgentConfig",
+    "ClusterConfig",
     "ConfigError",
     "CoordinatorConfig",
     "EngineConfig",
@@ -98,6 +100,25 @@ class RunConfig(Section):
     loss: LossConfig = LossConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     trainer: TrainerConfig = TrainerConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _placeable(self) -> RunConfig:
+        if self.cluster.launcher != "ray":
+            return self
+        if self.engine.type == "external":
+            raise ValueError(
+                "cluster.launcher ray places the engines it starts; engine.type external "
+                "attaches to a running server (use type embedded, or launcher local)"
+            )
+        if self.engine.type == "vllm" and not self.engine.allow_unauthenticated_vllm:
+            raise ValueError(
+                "cluster.launcher ray with engine.type vllm: the driver reaches each vLLM "
+                "server over the network, and vLLM's pause and weight-update routes have no "
+                "authentication; on a private cluster network set "
+                "engine.allow_unauthenticated_vllm: true to accept that"
+            )
+        return self
 
 
 def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:

@@ -26,9 +26,9 @@ import httpx
 from asyncgrpo.config import EngineConfig
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -81,14 +81,24 @@ class EngineProcess:
 
     The child receives `config` as one JSON file and validates it with the same
     `EngineConfig` model, so a recipe's engine settings arrive exactly as written.
+    `host`: another address to bind, for an engine a trainer on another node reaches
+    (`cluster.launcher: ray`); its control routes still need `admin_token`.
     """
 
-    def __init__(self, config: EngineConfig, *, log_path: str | Path | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        log_path: str | Path | None = None,
+        host: str = "127.0.0.1",
+        admin_token: str | None = None,
+    ):
         if config.model is None:
             raise EngineProcessError("EngineConfig.model: no model directory given")
         self.config = config
         self.log_path = Path(log_path) if log_path else None
-        self.admin_token = secrets.token_urlsafe(24)
+        self.host = host
+        self.admin_token = admin_token or secrets.token_urlsafe(24)
         self.port = 0
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
@@ -98,7 +108,7 @@ class EngineProcess:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -114,7 +124,7 @@ class EngineProcess:
             "--config",
             self._config_file,
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
         ]
@@ -129,7 +139,7 @@ class EngineProcess:
         if self.alive():
             return
         if self.port == 0:  # keep the address across restarts
-            self.port = free_port()
+            self.port = free_port(self.host)
         self._write_config()
         env = dict(
             os.environ, ASYNCGRPO_ADMIN_TOKEN=self.admin_token, **{PARENT_PID_ENV: str(os.getpid())}

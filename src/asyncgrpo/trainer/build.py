@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,8 +51,11 @@ def _checkpoint_activations(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def make_trainer(cfg: RunConfig, model: torch.nn.Module, run_dir: Path, model_dir: str) -> Trainer:
-    """One process, or rank 0 of `trainer.num_processes` (or of a torchrun launch)."""
+def make_trainer(
+    cfg: RunConfig, model: torch.nn.Module, run_dir: Path, model_dir: str, cluster: Any = None
+) -> Trainer:
+    """One process, or rank 0 of `trainer.num_processes` (or of a torchrun launch).
+    `cluster`, a `RayCluster`, starts the other ranks as its actors."""
     from asyncgrpo.trainer.distributed import launched_rank, start_world
 
     core = policy_trainer(cfg, model)
@@ -63,7 +67,14 @@ def make_trainer(cfg: RunConfig, model: torch.nn.Module, run_dir: Path, model_di
 
     logger.info("starting %d trainer ranks (%s)", size, cfg.trainer.strategy)
     param = next(model.parameters())
-    world = start_world(size, run_dir, model_dir, param, cfg.trainer.collective_timeout_s)
+    timeout = cfg.trainer.collective_timeout_s
+    if cluster is None:
+        world = start_world(size, run_dir, model_dir, param, timeout)
+    else:
+        from asyncgrpo.cluster.ranks import rank_spawner
+
+        spawn = rank_spawner(cluster, cfg.model_dump_json())
+        world = start_world(size, run_dir, model_dir, param, timeout, spawn, cluster.driver_ip)
     trainer = DataParallelTrainer(core, world, cfg.trainer.strategy)
     try:
         trainer.start()

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -46,7 +47,7 @@ class World:
     store: dist.Store
     timeout_s: float
     run_dir: Path | None = None  # rank 0's, for messages
-    procs: list[subprocess.Popen] = field(default_factory=list)  # ranks rank 0 started
+    procs: list = field(default_factory=list)  # ranks rank 0 started: Popen or alike
     logs: list[Path] = field(default_factory=list)
 
     def dead_rank(self, wait_s: float = 0.0) -> str | None:
@@ -102,11 +103,19 @@ def _join(store: dist.Store, rank: int, size: int, timeout_s: float) -> None:
 
 
 def start_world(
-    size: int, run_dir: Path, model_dir: str, param: torch.Tensor, timeout_s: float
+    size: int,
+    run_dir: Path,
+    model_dir: str,
+    param: torch.Tensor,
+    timeout_s: float,
+    spawn: Callable[[World, str, int], None] | None = None,
+    host: str = "127.0.0.1",
 ) -> World:
     """Rank 0: start ranks 1..size-1 (or meet a launcher's), wait until each has loaded
     its model, and join the process group. They load `model_dir` in the dtype of rank 0's
-    `param`; its device picks the backend."""
+    `param`; its device picks the backend. `spawn(world, host, port)` starts the ranks
+    (default: child processes here) and adds a `Popen`-like handle per rank to
+    `world.procs`; `host` is the address they reach rank 0's store at."""
     launched = launched_rank()
     if launched is not None:
         size = launched[1]
@@ -116,10 +125,10 @@ def start_world(
         store = _store(host, port, size, not agent_store, timeout_s)
         world = World(0, size, dist.PrefixStore("asyncgrpo", store), timeout_s, run_dir)
     else:
-        port = _free_port()
-        store = _store("127.0.0.1", port, size, True, timeout_s)
+        port = _free_port(host)
+        store = _store(host, port, size, True, timeout_s)
         world = World(0, size, dist.PrefixStore("asyncgrpo", store), timeout_s, run_dir)
-        _spawn(world, run_dir, port)
+        (spawn or _spawn)(world, host, port)
     world.store.set("model_dir", model_dir)
     world.store.set("dtype", str(param.dtype).removeprefix("torch."))
     world.store.set("device", param.device.type)
@@ -173,14 +182,16 @@ def _wait_for_ranks(world: World) -> None:
             time.sleep(READY_POLL_S)
 
 
-def _spawn(world: World, run_dir: Path, port: int) -> None:
+def _spawn(world: World, host: str, port: int) -> None:
+    """Ranks 1..N-1 as child processes of this one, logging to the run directory."""
+    run_dir = world.run_dir
     for rank in range(1, world.size):
         env = {
             **os.environ,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world.size),
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": host,
             "MASTER_PORT": str(port),
         }
         log = Path(run_dir) / f"trainer-rank{rank}.log"
@@ -202,9 +213,9 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

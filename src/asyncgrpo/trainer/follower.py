@@ -36,7 +36,7 @@ def run_follower(cfg: RunConfig) -> None:
     torch.set_num_threads(cfg.trainer.num_threads)
     world = join_world(cfg.trainer.collective_timeout_s)
     try:
-        model_dir = world.store.get("model_dir").decode()
+        model_dir = _local_model_dir(world.store.get("model_dir").decode(), cfg)
         dtype = getattr(torch, world.store.get("dtype").decode())
         core = policy_trainer(cfg, load_policy(cfg, model_dir).to(dtype))
     except Exception as exc:
@@ -47,6 +47,23 @@ def run_follower(cfg: RunConfig) -> None:
         serve(core, world, cfg.trainer.strategy == "fsdp")
     finally:
         leave(world)
+
+
+def _local_model_dir(model_dir: str, cfg: RunConfig) -> str:
+    """Rank 0's model directory, or, on a node without it (no shared filesystem), the
+    recipe's model name resolved here."""
+    if Path(model_dir).is_dir():
+        return model_dir
+    from asyncgrpo.models import resolve_model
+
+    try:
+        return str(resolve_model(cfg.model.name_or_path))
+    except Exception as exc:
+        raise FileNotFoundError(
+            f"rank 0's model directory {model_dir} is not on this node, and "
+            f"model.name_or_path {cfg.model.name_or_path!r} does not resolve here ({exc}): "
+            "share the directory, or name a model every node has"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

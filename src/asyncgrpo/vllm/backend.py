@@ -63,7 +63,12 @@ class VLLMBackend:
         log_path: Path | None = None,
         replica: int = 0,
         episodes: bool = False,
+        server=None,
+        nccl_address: str = "127.0.0.1",
     ):
+        """`server`: what runs vLLM, if not a child process here (a vLLM server on a Ray
+        node, `cluster.engines.ActorProcess`: it may come back at another address);
+        `nccl_address`: where vLLM's workers reach this process for NCCL weight syncs."""
         if episodes and cfg.max_lora_rank is not None:
             raise ConfigError(
                 "model.lora with engine.type vllm and agent episodes is not supported yet: "
@@ -73,7 +78,8 @@ class VLLMBackend:
         self.cfg = cfg
         self.replica = replica
         self.log_path = Path(log_path) if log_path else None
-        self.server = None if cfg.base_url else VLLMServer(cfg, log_path=self.log_path)
+        self.server = None if cfg.base_url else server or VLLMServer(cfg, log_path=self.log_path)
+        self.nccl_address = nccl_address
         if cfg.base_url:
             _warn_if_exposed(cfg.base_url)
         self.retry = RetryPolicy(deadline=cfg.startup_timeout_s, max_attempts=1000, max_backoff=2.0)
@@ -90,7 +96,7 @@ class VLLMBackend:
         if self.cfg.weight_transport == "nccl":
             from asyncgrpo.vllm.nccl import NCCLTransport
 
-            return NCCLTransport(self.client)
+            return NCCLTransport(self.client, master_address=self.nccl_address)
         return make_transport(
             self.cfg.weight_transport, self.client, weights_dir=self.cfg.weights_dir
         )
@@ -130,6 +136,7 @@ class VLLMBackend:
                 await self.transport.prepare(list(layout))
         if self.server is not None:
             await asyncio.to_thread(self.server.wait_ready, self.cfg.startup_timeout_s)
+            self.client.base_url = self.server.base_url
         else:
             await self.client.wait_until_healthy(self.cfg.startup_timeout_s)
         await self._check_server()
@@ -194,6 +201,7 @@ class VLLMBackend:
         if self.gateway is not None:
             await asyncio.to_thread(self.gateway.stop)
         await asyncio.to_thread(self.server.restart, self.cfg.startup_timeout_s)
+        self.client.base_url = self.server.base_url
         self.restarts += 1
         self.client.forget_transfer_engine()
         self.adapters.forget()

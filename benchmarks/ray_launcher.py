@@ -1,0 +1,126 @@
+"""The Ray launcher's overhead against the local one, on the demo recipe.
+
+Runs `asyncgrpo train recipes/demo.yaml` (SmolLM2-135M on the CPU) with
+`--steps` optimizer steps under three launchers, interleaved `--repeats` times:
+
+- `local`: everything on this machine, as `make demo` runs it;
+- `ray (new)`: `cluster.launcher=ray` with no address, so the run starts its own
+  Ray instance (what a laptop user gets);
+- `ray (attached)`: the same, joining a Ray cluster this script started first
+  (`ray.cluster_utils.Cluster`, one node), as on a real cluster where Ray is up.
+
+Start-up is the wall time from launching the command until its first optimizer step
+is logged; samples/s is completions trained per second of run clock between the
+first and the last step. Medians over the repeats.
+
+    .venv/bin/python benchmarks/ray_launcher.py                 # 10 steps, 2 repeats
+    .venv/bin/python benchmarks/ray_launcher.py --steps 4 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).parent / "results" / "ray_launcher.json"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    return ap.parse_args(argv)
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [x for x in lines if x.get("kind") == "train"]
+
+
+def run_once(name: str, overrides: list[str], work: Path, steps: int) -> dict:
+    """One `asyncgrpo train` of the demo recipe; its start-up and samples/s."""
+    run_dir = work / name
+    sets = [f"max_steps={steps}", f"output_dir={work}", f"name={name}", *overrides]
+    command = [sys.executable, "-m", "asyncgrpo.cli", "train", str(ROOT / "recipes/demo.yaml")]
+    for item in sets:
+        command += ["--set", item]
+    log = open(work / f"{name}.log", "wb")
+    start = time.monotonic()
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    first_step = None
+    while proc.poll() is None:
+        if first_step is None and train_rows(run_dir):
+            first_step = time.monotonic() - start
+        time.sleep(0.1)
+    wall = time.monotonic() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed ({proc.returncode}); see {work / name}.log")
+    rows = train_rows(run_dir)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    per_step = cfg["rollout"]["num_generations"] * cfg["coordinator"]["batch_groups"]
+    span = rows[-1]["time_s"] - rows[0]["time_s"]
+    return {
+        "startup_s": first_step if first_step is not None else wall,
+        "samples_per_s": per_step * (len(rows) - 1) / span,
+        "wall_s": wall,
+        "steps": len(rows),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from ray.cluster_utils import Cluster
+
+    head = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
+    launchers = {
+        "local": [],
+        "ray (new)": ["cluster.launcher=ray"],
+        "ray (attached)": ["cluster.launcher=ray", f"cluster.address={head.address}"],
+    }
+    results: dict[str, list[dict]] = {k: [] for k in launchers}
+    try:
+        with tempfile.TemporaryDirectory(prefix="ray-launcher-") as tmp:
+            for repeat in range(args.repeats):
+                for label, overrides in launchers.items():
+                    name = f"{label.replace(' (', '-').rstrip(')')}-{repeat}"
+                    print(f"repeat {repeat + 1}/{args.repeats}: {label} ...", flush=True)
+                    results[label].append(run_once(name, overrides, Path(tmp), args.steps))
+    finally:
+        head.shutdown()
+    summary = {
+        label: {
+            key: statistics.median(r[key] for r in runs)
+            for key in ("startup_s", "samples_per_s", "wall_s")
+        }
+        for label, runs in results.items()
+    }
+    base = summary["local"]
+    print(f"\n{'launcher':16} {'start-up s':>11} {'samples/s':>10} {'vs local':>9} {'wall s':>8}")
+    for label, s in summary.items():
+        ratio = s["samples_per_s"] / base["samples_per_s"]
+        print(
+            f"{label:16} {s['startup_s']:11.1f} {s['samples_per_s']:10.2f} "
+            f"{ratio:8.2f}x {s['wall_s']:8.1f}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"steps": args.steps, "repeats": args.repeats, "median": summary, "runs": results}
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

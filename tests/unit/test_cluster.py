@@ -1,0 +1,96 @@
+"""The `cluster:` section and the Ray launcher's decisions that need no cluster.
+
+The launcher itself runs on a real two-node Ray cluster in
+`tests/integration/test_ray_cluster.py` (`make test-ray`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from asyncgrpo.config import ConfigError, EngineConfig, build_config
+
+
+def test_the_default_is_local_and_the_section_takes_its_keys():
+    assert build_config({}).cluster.launcher == "local"
+    cfg = build_config(
+        {},
+        [
+            "cluster.launcher=ray",
+            "cluster.address=auto",
+            "cluster.engine_resources={engine: 1}",
+            "cluster.trainer_resources={GPU: 1, CPU: 4}",
+        ],
+    )
+    assert cfg.cluster.address == "auto"
+    assert cfg.cluster.engine_resources == {"engine": 1.0}
+    assert cfg.cluster.trainer_resources == {"GPU": 1.0, "CPU": 4.0}
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        ({"type": "external"}, "attaches to a running server"),
+        ({"type": "vllm"}, "allow_unauthenticated_vllm: true to accept that"),
+    ],
+)
+def test_ray_refuses_engines_it_cannot_place_safely(engine, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({"engine": engine, "cluster": {"launcher": "ray"}})
+    opted_in = {**engine, "allow_unauthenticated_vllm": True}
+    if engine["type"] == "vllm":  # said explicitly, for a private cluster network
+        assert build_config({"engine": opted_in, "cluster": {"launcher": "ray"}})
+
+
+@pytest.mark.parametrize("bundle", [{}, {"GPU": 0}, {"engine": -1}])
+def test_an_empty_or_non_positive_bundle_is_refused(bundle):
+    with pytest.raises(ConfigError, match="cluster.engine_resources"):
+        build_config({"cluster": {"engine_resources": bundle}})
+
+
+def test_without_ray_installed_the_error_says_how_to_install_it(monkeypatch):
+    from asyncgrpo.cluster import require_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'asyncgrpo\[ray\]'"):
+        require_ray()
+
+
+def test_the_shortfall_names_each_resource_asked_beyond_the_cluster():
+    from asyncgrpo.cluster.placement import _shortfall
+
+    bundles = [{"engine": 1.0}, {"engine": 1.0}, {"CPU": 1.0, "trainer": 1.0}]
+    have = {"CPU": 2.0, "engine": 1.0}
+    assert _shortfall(bundles, have) == "engine: 2 asked, 1 there, trainer: 1 asked, 0 there"
+    assert _shortfall(bundles, {"CPU": 1.0, "engine": 2.0, "trainer": 1.0}) == ""
+
+
+@pytest.mark.parametrize(
+    ("engine_type", "configured", "same_node", "expected"),
+    [
+        ("embedded", "shm", True, "shm"),  # on the driver's node shared memory is fastest
+        ("embedded", "shm", False, "http"),  # and never crosses nodes
+        ("embedded", "http", True, "http"),
+        ("embedded", "disk", False, "disk"),  # a directory both nodes mount is what disk is for
+        ("vllm", "shm", True, "shm"),
+        ("vllm", "nccl", False, "nccl"),
+        ("vllm", "disk", False, "disk"),
+    ],
+)
+def test_the_weight_transport_follows_the_placement(engine_type, configured, same_node, expected):
+    from asyncgrpo.cluster.engines import transport_for
+
+    cfg = EngineConfig(
+        model="m", type=engine_type, weight_transport=configured, allow_unauthenticated_vllm=True
+    )
+    assert transport_for(cfg, same_node) == expected
+
+
+def test_vllm_on_another_node_without_a_transport_that_reaches_it_is_refused():
+    from asyncgrpo.cluster.engines import transport_for
+
+    cfg = EngineConfig(model="m", type="vllm", weight_transport="shm")
+    with pytest.raises(ConfigError, match="nccl .GPUs. or disk"):
+        transport_for(cfg, same_node=False, replica=1)
