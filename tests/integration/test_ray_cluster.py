@@ -30,7 +30,13 @@ from test_train import (
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.run import train
-from asyncgrpo.testing import even_token_reward, tiny_prompt_rows
+from asyncgrpo.testing import (
+    even_token_reward,
+    on_ray_cluster,
+    ray_node_with,
+    tiny_prompt_rows,
+    two_node_ray_cluster,
+)
 from asyncgrpo.transport.http import HttpTransport
 from asyncgrpo.transport.shm import ShmTransport
 
@@ -39,35 +45,8 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two Ray nodes on this host: the head (`trainer`) and one for engines (`engine`)."""
-    from ray.cluster_utils import Cluster
-
-    nodes = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"trainer": 2}}
-    )
-    nodes.add_node(num_cpus=2, resources={"engine": 2})
-    nodes.wait_for_nodes()
-    yield nodes
-    nodes.shutdown()
-
-
-def on_cluster(cluster, **overrides) -> dict:
-    """Recipe overrides that place the engine and the trainer ranks on their nodes."""
-    return {
-        "cluster.launcher": "ray",
-        "cluster.address": cluster.address,
-        "cluster.engine_resources": {"engine": 1},
-        "cluster.trainer_resources": {"trainer": 1},
-        **overrides,
-    }
-
-
-def node_of(cluster, resource: str) -> str:
-    """The id of the node that offers `resource`."""
-    for node in cluster.list_all_nodes():
-        if resource in (node._ray_params.resources or {}):
-            return node.node_id
-    raise AssertionError(f"no node offers {resource}")
+    with two_node_ray_cluster() as nodes:
+        yield nodes
 
 
 def placement(run_dir: Path) -> dict:
@@ -107,7 +86,7 @@ def test_engine_and_trainer_on_their_nodes_train_with_weights_over_http(
         tiny_model_dir,
         "two-nodes",
         max_steps=4,
-        **on_cluster(cluster, **{"trainer.num_processes": 2}),
+        **on_ray_cluster(cluster, **{"trainer.num_processes": 2}),
     )
     run_dir = train(
         AsyncGRPOConfig(**flat(cfg)),
@@ -119,8 +98,8 @@ def test_engine_and_trainer_on_their_nodes_train_with_weights_over_http(
     assert acc["consumed"] == 8 and closes(acc), acc
     where = placement(run_dir)
     engine, rank1 = where["engines"]["0"], where["trainer_ranks"]["1"]
-    assert engine["node"] == node_of(cluster, "engine")
-    assert rank1["node"] == node_of(cluster, "trainer") == where["driver"]["node"]
+    assert engine["node"] == ray_node_with(cluster, "engine")
+    assert rank1["node"] == ray_node_with(cluster, "trainer") == where["driver"]["node"]
     assert engine["transport"] == "http"
     # the initial sync and one per step crossed over http; shared memory never ran
     assert spy.sent["http"] >= 5 and spy.sent["shm"] == 0, spy.sent
@@ -130,7 +109,7 @@ def test_the_same_recipe_runs_with_launcher_local_and_ray(cluster, tmp_path, tin
     """Staleness 0 and one seed: the Ray run's losses and rewards equal the local run's."""
     rows = []
     for launcher in ("local", "ray"):
-        overrides = on_cluster(cluster) | {"cluster.launcher": launcher}
+        overrides = on_ray_cluster(cluster) | {"cluster.launcher": launcher}
         cfg = base_config(tmp_path, tiny_model_dir, f"same-{launcher}", max_steps=3, **overrides)
         run_dir = train(
             AsyncGRPOConfig(**flat(cfg)),
@@ -170,7 +149,7 @@ def test_a_killed_engine_actor_is_restarted_resynced_and_no_group_is_lost(
         tiny_model_dir,
         "kill-engine",
         max_steps=10,
-        **on_cluster(cluster, **{"coordinator.max_staleness": 1}),
+        **on_ray_cluster(cluster, **{"coordinator.max_staleness": 1}),
     )
     trainer = AsyncGRPOTrainer(
         model=str(tiny_model_dir),
@@ -189,7 +168,7 @@ def test_a_killed_engine_actor_is_restarted_resynced_and_no_group_is_lost(
     assert len(ids) == len(set(ids))  # nothing trained twice
     engine = placement(run_dir)["engines"]["0"]
     assert engine["actor_pid"] != killed[0]  # Ray started a new actor, on its node
-    assert engine["node"] == node_of(cluster, "engine") and engine["transport"] == "http"
+    assert engine["node"] == ray_node_with(cluster, "engine") and engine["transport"] == "http"
     # a sync per step and the first, all over http; the new engine got weights too
     assert spy.sent["http"] >= 11 and spy.sent["shm"] == 0, spy.sent
     assert engine["url"] in spy.urls and spy.urls[0] != engine["url"]
@@ -201,7 +180,7 @@ def test_ctrl_c_on_the_driver_tears_the_actors_down(cluster, tmp_path, tiny_mode
         tiny_model_dir,
         "ctrl-c",
         max_steps=1000,
-        **on_cluster(cluster, **{"trainer.num_processes": 2}),
+        **on_ray_cluster(cluster, **{"trainer.num_processes": 2}),
     )
     run_dir, log = tmp_path / "ctrl-c", tmp_path / "ctrl-c.log"
     proc = start_cli(str(recipe), log=log)
@@ -226,7 +205,9 @@ def test_a_dead_trainer_rank_stops_the_job_and_resume_finishes_it(
         tiny_model_dir,
         "rank-dies",
         max_steps=6,
-        **on_cluster(cluster, **{"trainer.num_processes": 2, "trainer.collective_timeout_s": 60}),
+        **on_ray_cluster(
+            cluster, **{"trainer.num_processes": 2, "trainer.collective_timeout_s": 60}
+        ),
     )
     run_dir, log = tmp_path / "rank-dies", tmp_path / "rank-dies.log"
     proc = start_cli(str(recipe), log=log)

@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -58,8 +60,16 @@ class EngineActor:
             from asyncgrpo.engine.process import EngineProcess
 
             self.server = EngineProcess(cfg, log_path=log_path, host=host, admin_token=admin_token)
-        self.server.start()
-        self.server.wait_ready(self.timeout_s)
+        self._start()
+
+    def _start(self, restart: bool = False) -> None:
+        if restart:
+            self.server.restart(self.timeout_s)
+        else:
+            self.server.start()
+        reap_with_this_process(self.server.pid)
+        if not restart:
+            self.server.wait_ready(self.timeout_s)
 
     def where(self) -> dict[str, Any]:
         """The server's address and this incarnation's identity (pids, restarts)."""
@@ -74,7 +84,7 @@ class EngineActor:
     def revive(self) -> dict[str, Any]:
         """Restart the server process if it died; then `where`."""
         if not self.server.alive():
-            self.server.restart(self.timeout_s)
+            self._start(restart=True)
         return self.where()
 
     def engine_exit(self) -> None:
@@ -84,6 +94,31 @@ class EngineActor:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+REAPER = """
+import os, signal, sys, time
+actor, group = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == actor:
+    time.sleep(0.5)
+try:
+    os.killpg(group, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+def reap_with_this_process(server_pid: int | None) -> None:
+    """SIGKILL the server's process group (it leads its own) once this process is gone.
+
+    A killed actor runs no cleanup, and a server's own parent-death signal is a SIGTERM
+    that vLLM answers by shutting down gracefully, which waits for requests in flight:
+    it would linger, holding memory and those requests, while the actor's successor
+    starts another. The reaper is a child that notices its parent is gone.
+    """
+    if server_pid is not None:
+        command = [sys.executable, "-c", REAPER, str(os.getpid()), str(server_pid)]
+        subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 class ActorProcess:

@@ -20,8 +20,9 @@ class ClusterConfig(Section):
     """`local`: every process on this machine. `ray`: engines and trainer ranks 1..N-1 as
     Ray actors (`pip install 'asyncgrpo[ray]'`); this process is trainer rank 0."""
     address: str | None = None
-    """The Ray cluster to join: `auto` (the one `ray start` made on this node), `HOST:PORT`
-    of its head, or `ray://HOST:10001` (Ray Client). None: start a Ray instance here."""
+    """The Ray cluster to join: `auto` (the one `ray start` made on this node) or `HOST:PORT`
+    of its head; the driver must run on a node of the cluster (it is trainer rank 0, and
+    the other ranks and engines connect back to it). None: start a Ray instance here."""
     engine_resources: dict[str, float] | None = None
     """One engine replica's bundle, e.g. `{GPU: 1, CPU: 4}` or `{engine: 1}` (a custom
     resource given to `ray start --resources`). None: one GPU where the cluster has GPUs,

@@ -8,8 +8,11 @@ model directory that every component (engine, trainer) loads like a real one.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -177,3 +180,42 @@ def engine_children() -> list[int]:
         if ppid == os.getpid() and "asyncgrpo.cli serve" in cmdline:
             pids.append(int(entry.name))
     return pids
+
+
+@contextlib.contextmanager
+def two_node_ray_cluster() -> Iterator[Any]:
+    """A real Ray cluster of two nodes on this host (`ray.cluster_utils.Cluster`): the head
+    offers the custom resource `trainer`, the other node `engine`, two of each, so that
+    `cluster.engine_resources: {engine: 1}` and `trainer_resources: {trainer: 1}` put the
+    roles on different nodes."""
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"trainer": 2}}
+    )
+    try:
+        nodes.add_node(num_cpus=2, resources={"engine": 2})
+        nodes.wait_for_nodes()
+        yield nodes
+    finally:
+        nodes.shutdown()
+
+
+def ray_node_with(nodes: Any, resource: str) -> str:
+    """The id of the node of `two_node_ray_cluster` that offers `resource`."""
+    for node in nodes.list_all_nodes():
+        if resource in (node._ray_params.resources or {}):
+            return node.node_id
+    raise LookupError(f"no node offers {resource}")
+
+
+def on_ray_cluster(nodes: Any, **overrides: Any) -> dict[str, Any]:
+    """Recipe settings (dotted) that run on `two_node_ray_cluster`, engines on the `engine`
+    node and trainer ranks on the `trainer` node."""
+    return {
+        "cluster.launcher": "ray",
+        "cluster.address": nodes.address,
+        "cluster.engine_resources": {"engine": 1},
+        "cluster.trainer_resources": {"trainer": 1},
+        **overrides,
+    }
