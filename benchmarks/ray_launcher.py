@@ -1,17 +1,20 @@
 """The Ray launcher's overhead against the local one, on the demo recipe.
 
 Runs `asyncgrpo train recipes/demo.yaml` (SmolLM2-135M on the CPU) with
-`--steps` optimizer steps under three launchers, interleaved `--repeats` times:
+`--steps` optimizer steps under four launchers, interleaved `--repeats` times:
 
 - `local`: everything on this machine, as `make demo` runs it;
 - `ray (new)`: `cluster.launcher=ray` with no address, so the run starts its own
-  Ray instance (what a laptop user gets);
-- `ray (attached)`: the same, joining a Ray cluster this script started first
-  (`ray.cluster_utils.Cluster`, one node), as on a real cluster where Ray is up.
+  Ray instance (what a laptop user gets); the engine shares the driver's node: shm;
+- `ray (same node)`: joining a running two-node Ray cluster (started here with
+  `ray.cluster_utils.Cluster`), the engine placed on the driver's node: shm;
+- `ray (other node)`: the same cluster, the engine on the other node: weights by http.
 
 Start-up is the wall time from launching the command until its first optimizer step
 is logged; samples/s is completions trained per second of run clock between the
-first and the last step. Medians over the repeats.
+first and the last step; sync is the median `weight_sync_s` of the steps (the
+trainer's wait for a weight sync). Medians over the repeats. All nodes share this
+machine's two cores, so "other node" measures the transport, not a network.
 
     .venv/bin/python benchmarks/ray_launcher.py                 # 10 steps, 2 repeats
     .venv/bin/python benchmarks/ray_launcher.py --steps 4 --repeats 1
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,11 +76,19 @@ def run_once(name: str, overrides: list[str], work: Path, steps: int) -> dict:
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     per_step = cfg["rollout"]["num_generations"] * cfg["coordinator"]["batch_groups"]
     span = rows[-1]["time_s"] - rows[0]["time_s"]
+    placed = run_dir / "cluster.json"  # written under Ray: the transport each engine got
+    transport = (
+        json.loads(placed.read_text())["engines"]["0"]["transport"]
+        if placed.exists()
+        else cfg["engine"]["weight_transport"]
+    )
     return {
         "startup_s": first_step if first_step is not None else wall,
         "samples_per_s": per_step * (len(rows) - 1) / span,
+        "sync_s": statistics.median(r["weight_sync_s"] for r in rows),
         "wall_s": wall,
         "steps": len(rows),
+        "transport": transport,
     }
 
 
@@ -84,36 +96,45 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from ray.cluster_utils import Cluster
 
-    head = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"head": 4}})
+    nodes.add_node(num_cpus=4, resources={"other": 4})
+    nodes.wait_for_nodes()
+    attached = ["cluster.launcher=ray", f"cluster.address={nodes.address}"]
     launchers = {
         "local": [],
         "ray (new)": ["cluster.launcher=ray"],
-        "ray (attached)": ["cluster.launcher=ray", f"cluster.address={head.address}"],
+        "ray (same node)": [*attached, "cluster.engine_resources={head: 1}"],
+        "ray (other node)": [*attached, "cluster.engine_resources={other: 1}"],
     }
     results: dict[str, list[dict]] = {k: [] for k in launchers}
+    work = Path(tempfile.mkdtemp(prefix="ray-launcher-"))  # kept if a run fails: its log
     try:
-        with tempfile.TemporaryDirectory(prefix="ray-launcher-") as tmp:
-            for repeat in range(args.repeats):
-                for label, overrides in launchers.items():
-                    name = f"{label.replace(' (', '-').rstrip(')')}-{repeat}"
-                    print(f"repeat {repeat + 1}/{args.repeats}: {label} ...", flush=True)
-                    results[label].append(run_once(name, overrides, Path(tmp), args.steps))
+        for repeat in range(args.repeats):
+            for label, overrides in launchers.items():
+                name = f"{label.replace(' (', '-').rstrip(')').replace(' ', '-')}-{repeat}"
+                print(f"repeat {repeat + 1}/{args.repeats}: {label} ...", flush=True)
+                results[label].append(run_once(name, overrides, work, args.steps))
     finally:
-        head.shutdown()
+        nodes.shutdown()
+    shutil.rmtree(work)
     summary = {
         label: {
             key: statistics.median(r[key] for r in runs)
-            for key in ("startup_s", "samples_per_s", "wall_s")
+            for key in ("startup_s", "samples_per_s", "sync_s", "wall_s")
         }
+        | {"transport": runs[0]["transport"]}
         for label, runs in results.items()
     }
     base = summary["local"]
-    print(f"\n{'launcher':16} {'start-up s':>11} {'samples/s':>10} {'vs local':>9} {'wall s':>8}")
+    print(
+        f"\n{'launcher':18} {'weights':>7} {'start-up s':>11} {'samples/s':>10} {'vs local':>9} "
+        f"{'sync s':>7} {'wall s':>7}"
+    )
     for label, s in summary.items():
         ratio = s["samples_per_s"] / base["samples_per_s"]
         print(
-            f"{label:16} {s['startup_s']:11.1f} {s['samples_per_s']:10.2f} "
-            f"{ratio:8.2f}x {s['wall_s']:8.1f}"
+            f"{label:18} {s['transport']:>7} {s['startup_s']:11.1f} {s['samples_per_s']:10.2f} "
+            f"{ratio:8.2f}x {s['sync_s']:7.3f} {s['wall_s']:7.1f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"steps": args.steps, "repeats": args.repeats, "median": summary, "runs": results}

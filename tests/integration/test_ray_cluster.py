@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_replicas import two_turn_agent
 from test_train import (
     Recorder,
     base_config,
@@ -103,6 +104,44 @@ def test_engine_and_trainer_on_their_nodes_train_with_weights_over_http(
     assert engine["transport"] == "http"
     # the initial sync and one per step crossed over http; shared memory never ran
     assert spy.sent["http"] >= 5 and spy.sent["shm"] == 0, spy.sent
+
+
+def test_agents_on_two_engine_actors_reach_them_by_their_nodes_address(
+    cluster, tmp_path, tiny_model_dir
+):
+    """Agent episodes over two engine replicas on the engine node: every call of an
+    episode goes to the replica that opened it, at that node's address."""
+    calls: list[list[str]] = []
+
+    async def agent(task: dict, llm) -> float:
+        task = {**task, "calls": []}
+        calls.append(task["calls"])
+        return await two_turn_agent(task, llm)
+
+    overrides = {
+        "engine.replicas": 2,
+        "engine.max_model_len": 256,
+        "rollout.num_generations": 3,
+        "agent.max_turns": 2,
+        "agent.episode_timeout_s": 60,
+    }
+    cfg = base_config(
+        tmp_path, tiny_model_dir, "ray-agents", max_steps=3, **on_ray_cluster(cluster, **overrides)
+    )
+    run_dir = train(
+        AsyncGRPOConfig(**flat(cfg)), rollout_func=agent, train_dataset=tiny_prompt_rows(30)
+    )
+    assert [r["version"] for r in train_rows(run_dir)] == [1, 2, 3]
+    engines = placement(run_dir)["engines"]
+    urls = {engines[i]["url"] for i in ("0", "1")}
+    assert {engines[i]["node"] for i in ("0", "1")} == {ray_node_with(cluster, "engine")}
+    assert len(urls) == 2 and not any(u.startswith("http://127.") for u in urls)
+    # (episodes of the group in flight when the run ended may have made no call yet)
+    hosts = [{call.split("/e/")[0] for call in episode} for episode in calls if episode]
+    assert all(len(h) == 1 for h in hosts), hosts  # an episode stays on its replica
+    assert set().union(*hosts) == urls  # and episodes went to both
+    acc = json.loads((run_dir / "accounting.json").read_text())
+    assert acc["consumed"] == 6 and closes(acc), acc
 
 
 def test_the_same_recipe_runs_with_launcher_local_and_ray(cluster, tmp_path, tiny_model_dir):

@@ -44,6 +44,11 @@ def test_ray_refuses_engines_it_cannot_place_safely(engine, message):
         assert build_config({"engine": opted_in, "cluster": {"launcher": "ray"}})
 
 
+def test_ray_client_addresses_are_refused_with_what_to_do_instead():
+    with pytest.raises(ConfigError, match="run `asyncgrpo train` on a node of the cluster"):
+        build_config({"cluster": {"launcher": "ray", "address": "ray://head:10001"}})
+
+
 @pytest.mark.parametrize("bundle", [{}, {"GPU": 0}, {"engine": -1}])
 def test_an_empty_or_non_positive_bundle_is_refused(bundle):
     with pytest.raises(ConfigError, match="cluster.engine_resources"):

@@ -60,16 +60,9 @@ class EngineActor:
             from asyncgrpo.engine.process import EngineProcess
 
             self.server = EngineProcess(cfg, log_path=log_path, host=host, admin_token=admin_token)
-        self._start()
-
-    def _start(self, restart: bool = False) -> None:
-        if restart:
-            self.server.restart(self.timeout_s)
-        else:
-            self.server.start()
+        self.server.start()
         reap_with_this_process(self.server.pid)
-        if not restart:
-            self.server.wait_ready(self.timeout_s)
+        self.server.wait_ready(self.timeout_s)
 
     def where(self) -> dict[str, Any]:
         """The server's address and this incarnation's identity (pids, restarts)."""
@@ -84,7 +77,8 @@ class EngineActor:
     def revive(self) -> dict[str, Any]:
         """Restart the server process if it died; then `where`."""
         if not self.server.alive():
-            self._start(restart=True)
+            self.server.restart(self.timeout_s)
+            reap_with_this_process(self.server.pid)
         return self.where()
 
     def engine_exit(self) -> None:

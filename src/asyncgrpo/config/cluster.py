@@ -39,6 +39,17 @@ class ClusterConfig(Section):
     max_engine_restarts: int = Field(3, ge=0)
     """Times Ray restarts a dead engine actor (its engine is re-synced, its requests retried)."""
 
+    @field_validator("address")
+    @classmethod
+    def _on_the_cluster(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith("ray://"):
+            raise ValueError(
+                "ray:// (Ray Client) runs this process off the cluster, but it is trainer "
+                "rank 0 and the engines and ranks connect back to it: run `asyncgrpo train` "
+                "on a node of the cluster with address auto (or HEAD_IP:6379)"
+            )
+        return value
+
     @field_validator("engine_resources", "trainer_resources")
     @classmethod
     def _positive(cls, value: dict[str, float] | None) -> dict[str, float] | None:
