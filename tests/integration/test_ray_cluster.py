@@ -35,11 +35,10 @@ from asyncgrpo.testing import (
     even_token_reward,
     on_ray_cluster,
     ray_node_with,
+    record_weight_sends,
     tiny_prompt_rows,
     two_node_ray_cluster,
 )
-from asyncgrpo.transport.http import HttpTransport
-from asyncgrpo.transport.shm import ShmTransport
 
 pytestmark = pytest.mark.ray
 
@@ -61,27 +60,10 @@ def closes(acc: dict) -> bool:
     )
 
 
-class SendSpy:
-    """Counts the weight images each transport sent, and where they went."""
-
-    def __init__(self, monkeypatch):
-        self.sent = {"http": 0, "shm": 0}
-        self.urls: list[str] = []
-        for kind, cls in (("http", HttpTransport), ("shm", ShmTransport)):
-            original = cls.send
-
-            async def send(transport, tensors, _original=original, _kind=kind):
-                self.sent[_kind] += 1
-                self.urls.append(transport.client.base_url)
-                return await _original(transport, tensors)
-
-            monkeypatch.setattr(cls, "send", send)
-
-
 def test_engine_and_trainer_on_their_nodes_train_with_weights_over_http(
     cluster, tmp_path, tiny_model_dir, monkeypatch
 ):
-    spy = SendSpy(monkeypatch)
+    sent = record_weight_sends(monkeypatch, "http", "shm")
     cfg = base_config(
         tmp_path,
         tiny_model_dir,
@@ -103,7 +85,7 @@ def test_engine_and_trainer_on_their_nodes_train_with_weights_over_http(
     assert rank1["node"] == ray_node_with(cluster, "trainer") == where["driver"]["node"]
     assert engine["transport"] == "http"
     # the initial sync and one per step crossed over http; shared memory never ran
-    assert spy.sent["http"] >= 5 and spy.sent["shm"] == 0, spy.sent
+    assert len(sent["http"]) >= 5 and not sent["shm"], sent
 
 
 def test_agents_on_two_engine_actors_reach_them_by_their_nodes_address(
@@ -168,7 +150,7 @@ def test_the_same_recipe_runs_with_launcher_local_and_ray(cluster, tmp_path, tin
 def test_a_killed_engine_actor_is_restarted_resynced_and_no_group_is_lost(
     cluster, tmp_path, tiny_model_dir, monkeypatch
 ):
-    spy = SendSpy(monkeypatch)
+    sent = record_weight_sends(monkeypatch, "http", "shm")
     run_dir = tmp_path / "kill-engine"
     killed: list[int] = []
 
@@ -209,8 +191,8 @@ def test_a_killed_engine_actor_is_restarted_resynced_and_no_group_is_lost(
     assert engine["actor_pid"] != killed[0]  # Ray started a new actor, on its node
     assert engine["node"] == ray_node_with(cluster, "engine") and engine["transport"] == "http"
     # a sync per step and the first, all over http; the new engine got weights too
-    assert spy.sent["http"] >= 11 and spy.sent["shm"] == 0, spy.sent
-    assert engine["url"] in spy.urls and spy.urls[0] != engine["url"]
+    assert len(sent["http"]) >= 11 and not sent["shm"], sent
+    assert engine["url"] in sent["http"] and sent["http"][0] != engine["url"]
 
 
 def test_ctrl_c_on_the_driver_tears_the_actors_down(cluster, tmp_path, tiny_model_dir):

@@ -219,3 +219,23 @@ def on_ray_cluster(nodes: Any, **overrides: Any) -> dict[str, Any]:
         "cluster.trainer_resources": {"trainer": 1},
         **overrides,
     }
+
+
+def record_weight_sends(monkeypatch: Any, *kinds: str) -> dict[str, list[str]]:
+    """Wrap the `send` of the weight transports named in `kinds` (shm, disk, http) so that
+    each image sent is recorded: kind -> the engine URLs it went to, in order."""
+    from asyncgrpo.transport.disk import DiskTransport
+    from asyncgrpo.transport.http import HttpTransport
+    from asyncgrpo.transport.shm import ShmTransport
+
+    classes = {"shm": ShmTransport, "disk": DiskTransport, "http": HttpTransport}
+    sent: dict[str, list[str]] = {kind: [] for kind in kinds}
+    for kind in kinds:
+        original = classes[kind].send
+
+        async def send(transport, tensors, _original=original, _kind=kind):
+            sent[_kind].append(transport.client.base_url)
+            return await _original(transport, tensors)
+
+        monkeypatch.setattr(classes[kind], "send", send)
+    return sent
