@@ -49,8 +49,8 @@ class RayCluster:
     def _connect(self) -> None:
         if self.ray.is_initialized():  # a user's own ray.init() before the API call
             return
-        address = self.cfg.address
-        logger.info("connecting to Ray at %s", address or "a new local instance")
+        address = self.cfg.address or "local"  # a new instance, even where one already runs
+        logger.info("connecting to Ray at %s", address)
         try:
             self.ray.init(address=address, include_dashboard=False, log_to_driver=True)
         except ConnectionError as exc:
