@@ -206,14 +206,7 @@ def _engine(
     if cluster is not None:
         from asyncgrpo.cluster.engines import ray_engine_backend
 
-        if agent and cfg.engine.type == "vllm":
-            raise ConfigError(
-                "agent episodes with engine.type vllm under cluster.launcher ray: not yet "
-                "(the episode gateway runs beside vLLM on one machine); use the embedded "
-                "engine under Ray, or launcher local"
-            )
-
-        return ray_engine_backend(engine_cfg, cluster, run_dir, cfg.model.name_or_path)
+        return ray_engine_backend(engine_cfg, cluster, run_dir, cfg.model.name_or_path, agent)
     return make_backend(engine_cfg, run_dir, episodes=agent)
 
 

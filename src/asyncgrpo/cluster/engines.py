@@ -132,15 +132,13 @@ class ActorProcess:
         self.model_name = model  # resolved on a node that lacks `cfg.model`
         self.admin_token = secrets.token_urlsafe(24)
         self.restarts = 0
-        self.port = 0  # unknown until the actor reports
-        self._url = "http://127.0.0.1:0"
-        self._where: dict[str, Any] | None = None
+        self._where: dict[str, Any] | None = None  # what the actor last reported
         self._actor: Any = None
         self._exit_watch: Any = None  # resolves when the server or its actor is gone
 
     @property
     def base_url(self) -> str:
-        return self._url
+        return self._where["url"] if self._where else "http://127.0.0.1:0"  # not known yet
 
     @property
     def pid(self) -> int | None:
@@ -214,8 +212,6 @@ class ActorProcess:
 
     def _arrive(self, where: dict[str, Any]) -> None:
         self._where = where
-        self._url = where["url"]
-        self.port = int(self._url.rsplit(":", 1)[1])
         # not retried: it must fail when this actor dies, not wait on its successor
         self._exit_watch = self._actor.engine_exit.options(max_task_retries=0).remote()
         self.cluster.note(
@@ -224,13 +220,20 @@ class ActorProcess:
 
 
 def ray_engine_backend(
-    cfg: EngineConfig, cluster: RayCluster, run_dir: Path, model_name: str
+    cfg: EngineConfig, cluster: RayCluster, run_dir: Path, model_name: str, episodes: bool
 ) -> Any:
     """`cfg.replicas` engine actors behind one `EngineBackend` (not started: `launch`).
 
     Each replica's weight transport follows its node (`transport_for`); logs are written
     on the engines' nodes under the run directory's path; a node without `cfg.model`
-    loads `model_name` resolved there."""
+    loads `model_name` resolved there. `episodes`: the run's agents need the episode
+    gateway (the embedded engine is one; beside a remote vLLM there is none yet)."""
+    if episodes and cfg.type == "vllm":
+        raise ConfigError(
+            "agent episodes with engine.type vllm under cluster.launcher ray: not yet "
+            "(the episode gateway runs beside vLLM on one machine); use the embedded "
+            "engine under Ray, or launcher local"
+        )
     members = []
     for replica in range(cfg.replicas):
         kind = transport_for(cfg, cluster.bundle_node(replica) == cluster.driver_node, replica)

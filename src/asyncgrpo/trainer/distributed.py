@@ -20,7 +20,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from asyncgrpo.engine.process import free_port
 
 BUCKET_BYTES = 32 << 20  # gradients are all-reduced this many bytes at a time
 READY_POLL_S = 0.5
@@ -125,7 +126,7 @@ def start_world(
         store = _store(host, port, size, not agent_store, timeout_s)
         world = World(0, size, dist.PrefixStore("asyncgrpo", store), timeout_s, run_dir)
     else:
-        port = _free_port(host)
+        port = free_port(host)
         store = _store(host, port, size, True, timeout_s)
         world = World(0, size, dist.PrefixStore("asyncgrpo", store), timeout_s, run_dir)
         (spawn or _spawn)(world, host, port)
@@ -211,12 +212,6 @@ def _die_with_parent() -> None:
     """In the child: SIGKILL when rank 0 dies (even by kill -9), no orphaned rank."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def stop_spawned(world: World, grace_s: float = 10.0) -> None:
