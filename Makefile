@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-fuzz test-vllm test-ray lint format bench bench-e2e clean
+.PHONY: demo test test-slow test-fuzz test-vllm test-ray test-gpu lint format bench bench-e2e clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,11 @@ test-ray: $(RAY_STAMP) $(VLLM_VENV)/.installed
 	ASYNCGRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
 		timeout 900 $(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py \
 		tests/vllm/test_ray_vllm.py
+
+# The trainer on a CUDA GPU (trainer.device, FSDP2 over NCCL, a CLI run): tests marked `gpu`,
+# skipped where torch sees no GPU. Needs a CUDA build of torch in .venv (not the CPU pin).
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu tests/integration/test_cuda_trainer.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

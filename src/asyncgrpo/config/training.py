@@ -83,18 +83,28 @@ class TrainerConfig(Section):
     """AdamW weight decay."""
     micro_batch_tokens: int = Field(4096, ge=16)
     """Token budget of one packed micro-batch (gradient accumulation splits beyond it)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer's weights, optimizer and forward live. `auto`: a CUDA GPU when
+    there is one (rank r takes GPU `LOCAL_RANK` mod the GPUs it sees), else the CPU.
+    The engine is placed by its own section: an embedded engine runs on the CPU, vLLM on
+    the GPUs `engine.vllm_env` gives it."""
     bf16_autocast: bool | Literal["auto"] = "auto"
-    """Run the trainer's forward under bf16 autocast. `auto`: on where the CPU multiplies
-    bf16 natively (AVX512-BF16 or AMX: ~2.5x faster forward+backward), off elsewhere
-    (on AVX2-only CPUs bf16 is emulated: measured 16x slower than fp32)."""
+    """Run the trainer's forward under bf16 autocast. `auto`: on a GPU where it has bf16
+    (Ampere and later), on a CPU where it multiplies bf16 natively (AVX512-BF16 or AMX:
+    ~2.5x faster forward+backward), off elsewhere (on AVX2-only CPUs bf16 is emulated:
+    measured 16x slower than fp32)."""
 
-    def use_bf16_autocast(self) -> bool:
-        """`bf16_autocast` resolved for this machine."""
-        if self.bf16_autocast == "auto":
-            from asyncgrpo.hardware import cpu_has_native_bf16
+    def use_bf16_autocast(self, device_type: str = "cpu") -> bool:
+        """`bf16_autocast` resolved for this machine and the trainer's device type."""
+        if self.bf16_autocast != "auto":
+            return bool(self.bf16_autocast)
+        if device_type == "cuda":
+            import torch
 
-            return cpu_has_native_bf16()
-        return bool(self.bf16_autocast)
+            return torch.cuda.is_bf16_supported()
+        from asyncgrpo.hardware import cpu_has_native_bf16
+
+        return cpu_has_native_bf16()
 
     num_threads: int = Field(1, ge=1)
     """torch threads of the trainer process (of each rank)."""

@@ -1,7 +1,7 @@
 """The policy and the trainer a recipe asks for, on rank 0 and on every other rank.
 
-`load_policy` / `prepare_policy`: the model in float32 with gradient checkpointing and a
-LoRA adapter as configured. `policy_trainer`: the one-process `PolicyTrainer` of the
+`load_policy` / `prepare_policy`: the model in float32 on the trainer's device
+(`trainer_device`), with gradient checkpointing and a LoRA adapter as configured. `policy_trainer`: the one-process `PolicyTrainer` of the
 recipe's `trainer`, `loss` and `advantage` sections. `make_trainer`: that, or rank 0 of
 several (`trainer.num_processes`, or a torchrun / accelerate launch). The other ranks
 (`follower.py`) build theirs with the same functions, so every rank trains the same
@@ -11,12 +11,13 @@ policy the same way.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncgrpo.config import RunConfig
+from asyncgrpo.config import ConfigError, RunConfig
 from asyncgrpo.trainer.base import Trainer
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,9 @@ def load_policy(cfg: RunConfig, model_dir: str) -> torch.nn.Module:
 
 
 def prepare_policy(cfg: RunConfig, model: torch.nn.Module) -> torch.nn.Module:
-    """Gradient checkpointing and the LoRA adapter, as the recipe asks."""
+    """On the trainer's device, with gradient checkpointing and the LoRA adapter, as the
+    recipe asks."""
+    model = model.to(trainer_device(cfg.trainer.device))
     if cfg.trainer.gradient_checkpointing:
         _checkpoint_activations(model)
     if cfg.model.lora is not None:
@@ -39,6 +42,23 @@ def prepare_policy(cfg: RunConfig, model: torch.nn.Module) -> torch.nn.Module:
 
         model = apply_lora(model, cfg.model.lora)
     return model
+
+
+def trainer_device(setting: str) -> torch.device:
+    """`trainer.device` resolved for this rank: a CUDA GPU (`LOCAL_RANK` mod the GPUs
+    this process sees, so ranks of one machine take one GPU each, and a Ray actor given
+    one GPU takes that one), or the CPU. It becomes the current CUDA device, which NCCL
+    and FSDP2's device mesh use."""
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "trainer.device is cuda, but torch sees no CUDA GPU here "
+            f"(torch {torch.__version__}): install a CUDA build of torch, or set trainer.device: cpu"
+        )
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _checkpoint_activations(model: torch.nn.Module) -> None:
@@ -59,6 +79,7 @@ def make_trainer(
     from asyncgrpo.trainer.distributed import launched_rank, start_world
 
     core = policy_trainer(cfg, model)
+    logger.info("trainer on %s", core.device)
     launched = launched_rank()
     size = launched[1] if launched else cfg.trainer.num_processes
     if size == 1:

@@ -86,6 +86,8 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, tensors: dict, meta: di
 def _rng_state() -> tuple[dict, dict]:
     np_state = np.random.get_state()
     tensors = {"torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_initialized():  # a trainer on a GPU: its dropout masks come from here
+        tensors["cuda_rng"] = torch.cuda.get_rng_state()
     meta = {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
@@ -95,6 +97,8 @@ def _rng_state() -> tuple[dict, dict]:
 
 def _restore_rng(tensors: dict, meta: dict) -> None:
     torch.set_rng_state(tensors["torch_rng"])
+    if "cuda_rng" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda_rng"])
     version, internal, gauss = meta["python"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = meta["numpy"]

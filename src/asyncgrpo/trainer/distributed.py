@@ -77,7 +77,7 @@ def launched_rank() -> tuple[int, int] | None:
 
 
 def _backend(device: str) -> str:
-    """NCCL for weights on a GPU, gloo for weights on the CPU (the trainer today)."""
+    """NCCL for weights on a GPU, gloo for weights on the CPU (`trainer.device`)."""
     return "nccl" if device == "cuda" else "gloo"
 
 

@@ -38,7 +38,9 @@ def run_follower(cfg: RunConfig) -> None:
     try:
         model_dir = _local_model_dir(world.store.get("model_dir").decode(), cfg)
         dtype = getattr(torch, world.store.get("dtype").decode())
-        core = policy_trainer(cfg, load_policy(cfg, model_dir).to(dtype))
+        model = load_policy(cfg, model_dir).to(dtype)
+        _check_device(model, world.store.get("device").decode())
+        core = policy_trainer(cfg, model)
     except Exception as exc:
         announce_failure(world, f"{type(exc).__name__}: {exc}")
         raise
@@ -47,6 +49,16 @@ def run_follower(cfg: RunConfig) -> None:
         serve(core, world, cfg.trainer.strategy == "fsdp")
     finally:
         leave(world)
+
+
+def _check_device(model: torch.nn.Module, rank0: str) -> None:
+    """Every rank trains on the same kind of device: one backend (NCCL or gloo) for all."""
+    here = next(model.parameters()).device.type
+    if here != rank0:
+        raise RuntimeError(
+            f"rank 0 trains on {rank0} but this rank on {here}: give every trainer rank "
+            "a GPU, or set trainer.device: cpu"
+        )
 
 
 def _local_model_dir(model_dir: str, cfg: RunConfig) -> str:

@@ -100,7 +100,8 @@ class PolicyTrainer:
         self.temperature = temperature
         self.top_p = top_p
         self.max_completion_length = max_completion_length
-        self.bf16_autocast = trainer.use_bf16_autocast()
+        self.device = next(model.parameters()).device
+        self.bf16_autocast = trainer.use_bf16_autocast(self.device.type)
         enable_packed_attention(model)
         # the KL's reference is the policy as given, before any step (see reference.py)
         self.reference = make_reference(model) if loss.beta > 0 else None
@@ -217,8 +218,11 @@ class PolicyTrainer:
 
         `counts` are the whole step's, so the micro-batches' gradients sum to the batch's.
         """
+        device = self.device
         autocast = (
-            torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16_autocast else nullcontext()
+            torch.autocast(device.type, dtype=torch.bfloat16)
+            if self.bf16_autocast
+            else nullcontext()
         )
         prompt_lengths = [len(r.prompt_ids) for r in rollouts]
         reference = None
@@ -238,14 +242,15 @@ class PolicyTrainer:
                 runner=self.runner,
             )
         logprobs, mask = pad_ragged([lp.float() for lp in out.logprobs])  # (B, T)
-        mask = mask * sampled_mask(rollouts, mask.shape[1])  # (B, T)
+        mask = mask * sampled_mask(rollouts, mask.shape[1]).to(device)  # (B, T)
         engine, _ = pad_ragged([r.logprobs for r in rollouts])  # (B, T)
+        engine = engine.to(device)
         entropy, _ = pad_ragged([e.detach().float() for e in out.entropy])
         current = self.trainer_cfg.old_logprobs == "current"
         inputs = LossInputs(
             logprobs=logprobs,
             engine_logprobs=engine,
-            advantages=torch.tensor(advantages, dtype=torch.float32),  # (B,)
+            advantages=torch.tensor(advantages, dtype=torch.float32, device=device),  # (B,)
             mask=mask,
             old_logprobs=logprobs.detach() if current else None,
             ref_logprobs=reference,
