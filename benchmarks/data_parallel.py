@@ -42,6 +42,13 @@ def parse_args(argv=None):
     )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="trainer.device")
     ap.add_argument("--single", action="store_true", help="only the one-process configuration")
+    ap.add_argument(
+        "--attention",
+        choices=["auto", "segments", "mask"],
+        default="auto",
+        help="trainer.attention",
+    )
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=4)
@@ -73,6 +80,8 @@ def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Pa
             "strategy": strategy,
             "num_threads": args.threads,
             "device": args.device,
+            "attention": args.attention,
+            "micro_batch_tokens": args.micro_batch_tokens,
         },
         rewards=["asyncgrpo.testing.even_token_reward"],
     )
@@ -104,7 +113,7 @@ def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Pa
     step = statistics.median(steps)
     tokens = samples * (args.prompt_len + args.completion_len)
     return {
-        "config": f"{name} ({args.device})",
+        "config": f"{name} ({args.device}, {args.attention})",
         "step_s": step,
         "samples_per_s": samples / step,
         "tokens_per_s": tokens / step,
@@ -153,12 +162,12 @@ def main(argv=None) -> int:
         rows = [measure(args, model_dir, *config, work) for config in configs]
     base = rows[0]["step_s"]
     print(
-        f"{'config':<21} {'step s':>8} {'speed-up':>9} {'samples/s':>10} {'tokens/s':>9} "
+        f"{'config':<31} {'step s':>8} {'speed-up':>9} {'samples/s':>10} {'tokens/s':>9} "
         f"{'gather s':>9} {'ckpt s':>7}"
     )
     for r in rows:
         print(
-            f"{r['config']:<21} {r['step_s']:>8.2f} {base / r['step_s']:>8.2f}x "
+            f"{r['config']:<31} {r['step_s']:>8.2f} {base / r['step_s']:>8.2f}x "
             f"{r['samples_per_s']:>10.2f} {r['tokens_per_s']:>9.0f} {r['gather_s']:>9.3f} "
             f"{r['checkpoint_s']:>7.2f}"
         )

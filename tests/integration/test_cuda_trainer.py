@@ -37,9 +37,10 @@ def require_cuda():
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
-def trainer_on(device: str, tmp_path: Path, model_dir: Path, **sections):
+def trainer_on(device: str, tmp_path: Path, model_dir: Path, attention="auto", **sections):
     cfg = config(tmp_path, model_dir, "dapo", 1, **sections)
     cfg.trainer.device = device
+    cfg.trainer.attention = attention
     torch.manual_seed(0)  # the same LoRA initialisation on both
     return policy_trainer(cfg, load_policy(cfg, str(model_dir)).double())
 
@@ -72,14 +73,22 @@ def first_gradients(trainer, groups) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "sections",
-    [{}, {"loss": {"beta": 0.1}}, {"model": {"lora": LORA}, "loss": {"beta": 0.1}}],
-    ids=["full", "kl", "lora-kl"],
+    "attention, sections",
+    [
+        ("mask", {}),
+        ("segments", {}),
+        ("mask", {"loss": {"beta": 0.1}}),
+        ("mask", {"model": {"lora": LORA}, "loss": {"beta": 0.1}}),
+    ],
+    ids=["full", "full-segments", "kl", "lora-kl"],
 )
-def test_a_step_on_the_gpu_equals_a_step_on_the_cpu(tmp_path, sections):
+def test_a_step_on_the_gpu_equals_a_step_on_the_cpu(tmp_path, attention, sections):
+    """The GPU's attention (`mask`, auto's choice there, or `segments`) against the
+    CPU's per-segment attention."""
     model_dir = save_tiny_model_dir(tmp_path / "model")
     cpu = trainer_on("cpu", tmp_path, model_dir, **sections)
-    gpu = trainer_on("cuda", tmp_path, model_dir, **sections)
+    gpu = trainer_on("cuda", tmp_path, model_dir, attention, **sections)
+    assert cpu.attention == "segments" and gpu.attention == attention
     assert next(gpu.model.parameters()).device.type == "cuda"
     initial = weights(cpu)
     data = batches()

@@ -88,11 +88,22 @@ class TrainerConfig(Section):
     there is one (rank r takes GPU `LOCAL_RANK` mod the GPUs it sees), else the CPU.
     The engine is placed by its own section: an embedded engine runs on the CPU, vLLM on
     the GPUs `engine.vllm_env` gives it."""
+    attention: Literal["auto", "segments", "mask"] = "auto"
+    """How a packed micro-batch attends (`trainer/packing.py`). `segments`: one attention
+    call per sequence segment (work Σ Lᵢ²; the CPU's fastest). `mask`: one call over the
+    whole packed row with a block mask (work N², one kernel per layer). `auto`: segments
+    on a CPU, mask on a GPU, where per-call launch costs dominate."""
     bf16_autocast: bool | Literal["auto"] = "auto"
     """Run the trainer's forward under bf16 autocast. `auto`: on a GPU where it has bf16
     (Ampere and later), on a CPU where it multiplies bf16 natively (AVX512-BF16 or AMX:
     ~2.5x faster forward+backward), off elsewhere (on AVX2-only CPUs bf16 is emulated:
     measured 16x slower than fp32)."""
+
+    def attention_for(self, device_type: str) -> str:
+        """`attention` resolved for the trainer's device type."""
+        if self.attention != "auto":
+            return self.attention
+        return "mask" if device_type == "cuda" else "segments"
 
     def use_bf16_autocast(self, device_type: str = "cpu") -> bool:
         """`bf16_autocast` resolved for this machine and the trainer's device type."""

@@ -102,6 +102,7 @@ class PolicyTrainer:
         self.max_completion_length = max_completion_length
         self.device = next(model.parameters()).device
         self.bf16_autocast = trainer.use_bf16_autocast(self.device.type)
+        self.attention = trainer.attention_for(self.device.type)
         enable_packed_attention(model)
         # the KL's reference is the policy as given, before any step (see reference.py)
         self.reference = make_reference(model) if loss.beta > 0 else None
@@ -229,7 +230,7 @@ class PolicyTrainer:
         with autocast:
             if self.reference is not None:
                 ref = self.reference.logprobs(
-                    sequences, prompt_lengths, self.temperature, self.top_p
+                    sequences, prompt_lengths, self.temperature, self.top_p, self.attention
                 )
                 reference, _ = pad_ragged(ref)  # (B, T), the policy's layout
             out = packed_token_logprobs(
@@ -239,6 +240,7 @@ class PolicyTrainer:
                 temperature=self.temperature,
                 top_p=self.top_p,
                 with_entropy=True,
+                attention=self.attention,
                 runner=self.runner,
             )
         logprobs, mask = pad_ragged([lp.float() for lp in out.logprobs])  # (B, T)

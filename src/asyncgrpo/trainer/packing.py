@@ -22,11 +22,13 @@ segment layout as a forward kwarg and calls sdpa once per segment (`is_causal`
 for a plain sequence; a small (C, P+C) mask for a completion behind a shared
 prompt), so the work is Σ Lᵢ² rather than N². The CPU has no flash-attn varlen
 kernel; this is its equivalent. `benchmarks/train_step_packing.py` measures both.
+`trainer.attention` chooses: the segments on a CPU, the dense mask on a GPU, where one
+kernel per layer beats many small ones (5× on an H100, `benchmarks/README.md`).
 Without the packing kwarg the function is plain sdpa, so the model keeps
 working for ordinary padded forwards.
 
-On a GPU the per-segment calls exclude cuDNN's attention: it plans each new shape on
-the CPU, and packed segments rarely repeat a shape (measured on an H100 with
+On a GPU the calls exclude cuDNN's attention: it plans each new shape on the CPU,
+and packed rows and segments rarely repeat a shape (measured on an H100 with
 SmolLM2-135M: ~2 ms of CPU per call, 2.5 s of a 16-sample step); flash and
 memory-efficient attention launch in microseconds.
 """
@@ -177,18 +179,26 @@ def packed_attention_forward(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed_segments is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        with _sdpa_kernels(query.device):
+            return sdpa_attention_forward(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                dropout=dropout,
+                scaling=scaling,
+                **kwargs,
+            )
     if query.shape[0] != 1:
         raise ValueError("a packed forward takes a single row")
-    with _segment_kernels(query.device):
+    with _sdpa_kernels(query.device):
         out = _attend_segments(query, key, value, packed_segments, dropout, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _segment_kernels(device: torch.device):
-    """sdpa's kernels for many small, differently shaped calls (module docstring)."""
+def _sdpa_kernels(device: torch.device):
+    """sdpa's kernels for calls whose shapes rarely repeat (module docstring)."""
     if device.type != "cuda":
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -49,6 +49,7 @@ class ReferencePolicy:
         prompt_lengths: Sequence[int],
         temperature: float = 1.0,
         top_p: float = 1.0,
+        attention: str = "segments",
     ) -> list[torch.Tensor]:
         """Per sequence, the (C_i,) fp32 log-probs of its completion tokens under the reference.
 
@@ -62,6 +63,7 @@ class ReferencePolicy:
                 prompt_lengths=prompt_lengths,
                 temperature=temperature,
                 top_p=top_p,
+                attention=attention,
                 runner=self.runner,
             )
         return [lp.float() for lp in out.logprobs]
