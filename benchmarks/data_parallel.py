@@ -124,23 +124,12 @@ def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Pa
 
 
 def save_random_smollm2(path: Path) -> str:
-    """SmolLM2-135M's architecture (its config.json's sizes) with random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """SmolLM2-135M's architecture with random weights."""
+    from train_step_packing import smollm2_config  # benchmarks/ is on sys.path
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    LlamaForCausalLM(smollm2_config()).save_pretrained(path)
     return str(path)
 
 

@@ -67,20 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def load_model(args):
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def smollm2_config():
+    """SmolLM2-135M's architecture (the sizes of its config.json), for random weights."""
+    from transformers import LlamaConfig
 
-    if not args.random:
-        try:
-            from asyncgrpo.models import resolve_model
-
-            path = resolve_model(args.model)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            return model, str(path)
-        except (ImportError, ValueError) as err:
-            print(f"[worker] {args.model} unavailable ({err}); random weights", file=sys.stderr)
-    config = LlamaConfig(  # SmolLM2-135M
+    return LlamaConfig(
         vocab_size=49152,
         hidden_size=576,
         intermediate_size=1536,
@@ -92,8 +83,23 @@ def load_model(args):
         rope_theta=100000.0,
         tie_word_embeddings=True,
     )
+
+
+def load_model(args):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    if not args.random:
+        try:
+            from asyncgrpo.models import resolve_model
+
+            path = resolve_model(args.model)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            return model, str(path)
+        except (ImportError, ValueError) as err:
+            print(f"[worker] {args.model} unavailable ({err}); random weights", file=sys.stderr)
     torch.manual_seed(args.seed)
-    return LlamaForCausalLM(config), "random SmolLM2-135M config"
+    return LlamaForCausalLM(smollm2_config()), "random SmolLM2-135M config"
 
 
 def make_batch(args, vocab: int):

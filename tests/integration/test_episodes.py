@@ -11,6 +11,7 @@ import json
 import httpx
 import openai
 import pytest
+from gateway_scenarios import assert_an_sdk_retry_is_answered_once, extra
 from transformers import AutoTokenizer
 
 from asyncgrpo.agents.runner import run_episode
@@ -39,10 +40,6 @@ ENGINE_SETTINGS = dict(
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-def extra(obj, key):
-    return (obj.model_extra or {})[key]
 
 
 def admin(server):
@@ -159,35 +156,4 @@ def test_episode_security(server):
 
 
 def test_sdk_retry_does_not_fork_or_duplicate_the_turn(server):
-    async def scenario():
-        async with admin(server) as client:
-            episode = await client.open_episode()
-            async with openai.AsyncOpenAI(
-                base_url=server.base_url + episode["base_path"],
-                api_key=episode["api_key"],
-                max_retries=0,
-            ) as oai:
-                request = dict(
-                    model="tiny",
-                    messages=[{"role": "user", "content": "What is 12 + 7?"}],
-                    max_tokens=8,
-                    temperature=1.0,
-                    extra_body={"return_token_ids": True},
-                )
-                first = await oai.chat.completions.create(**request)
-                again = await oai.chat.completions.create(
-                    **request, extra_headers={"x-stainless-retry-count": "1"}
-                )
-                info = await client.episode_info(episode["episode_id"])
-                closed = await client.close_episode(episode["episode_id"], 1.0)
-            return first, again, info, closed
-
-    first, again, info, closed = asyncio.run(scenario())
-    assert again.id == first.id
-    assert extra(again.choices[0], "token_ids") == extra(first.choices[0], "token_ids")
-    assert info["turns"] == 1 and info["deduped_retries"] == 1
-    [sample] = closed["samples"]
-    assert sample["input_ids"] == extra(first, "prompt_token_ids") + extra(
-        first.choices[0], "token_ids"
-    )
-    assert closed["metrics"]["branches"] == 1 and closed["deduped_retries"] == 1
+    assert_an_sdk_retry_is_answered_once(server.base_url, server.admin_token)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncgrpo.cli import main as cli_main
 from asyncgrpo.config import RunConfig
-from asyncgrpo.engine.engine import _load_model as engine_load_model
+from asyncgrpo.engine.loading import load_model as engine_load_model
 from asyncgrpo.export import export_run
 from asyncgrpo.trainer.checkpoint import Checkpointer, TrainingState, save_checkpoint
 from asyncgrpo.trainer.lora import apply_lora, published_weights

@@ -31,6 +31,7 @@ import openai
 import pytest
 import yaml
 from conftest import TEST_SERVER_ENV, metric, require_vllm
+from gateway_scenarios import assert_an_sdk_retry_is_answered_once, extra
 from transformers import AutoTokenizer
 
 from asyncgrpo.agents.runner import run_episode
@@ -127,10 +128,6 @@ def gateway(upstream, tiny_vllm_model_dir, tmp_path_factory):
         yield proc
 
 
-def extra(obj, key):
-    return (obj.model_extra or {})[key]
-
-
 async def vllm_scores(url: str, prompt: list[int], completion: list[int]) -> list[float]:
     """vLLM's own log-probs of `completion` after `prompt` (temperature 1: raw = processed)."""
     body = {
@@ -210,33 +207,7 @@ class TestGatewayOverVLLM:
         assert "Evaluate an arithmetic expression." in first_prompt and "12 + 7" in first_prompt
 
     def test_sdk_retry_is_answered_once(self, gateway):
-        async def scenario():
-            async with EngineClient(gateway.base_url, admin_token=gateway.admin_token) as client:
-                episode = await client.open_episode()
-                async with openai.AsyncOpenAI(
-                    base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0
-                ) as oai:
-                    request = dict(
-                        model="tiny",
-                        messages=[{"role": "user", "content": "What is 12 + 7?"}],
-                        max_tokens=8,
-                        extra_body={"return_token_ids": True},
-                    )
-                    first = await oai.chat.completions.create(**request)
-                    again = await oai.chat.completions.create(
-                        **request, extra_headers={"x-stainless-retry-count": "1"}
-                    )
-                info = await client.episode_info(episode["episode_id"])
-                closed = await client.close_episode(episode["episode_id"], 1.0)
-            return first, again, info, closed
-
-        first, again, info, closed = asyncio.run(scenario())
-        assert again.id == first.id
-        assert extra(again.choices[0], "token_ids") == extra(first.choices[0], "token_ids")
-        assert info["turns"] == 1 and info["deduped_retries"] == 1
-        [sample] = closed["samples"]
-        sampled = extra(first.choices[0], "token_ids")
-        assert sample["input_ids"] == extra(first, "prompt_token_ids") + sampled
+        assert_an_sdk_retry_is_answered_once(gateway.base_url, gateway.admin_token)
 
     def test_a_wrong_key_is_refused(self, gateway):
         hi = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)

@@ -17,18 +17,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from asyncgrpo.client import EngineClient
+from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
 SYNC_POLL_S = 0.5  # how often a sync in progress checks that its engine is still alive
+SYNC_ATTEMPTS = 3  # a sync interrupted by a death or a stall this many times ends the run
 
 
 class EngineDied(RuntimeError):
@@ -153,3 +155,51 @@ async def publish(
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     task.result()  # raises what the sync raised
+
+
+async def sync_until_landed(
+    backend,
+    transport,
+    weights: NamedTensors,
+    version: int,
+    mode: str,
+    *,
+    gone: Callable[[], bool],
+    on_stall: Callable[[SyncTimeout], Awaitable[None]],
+    on_refused: Callable[[Exception, int], Awaitable[None]],
+    engine: str,
+    log: object,
+) -> None:
+    """`publish` to a backend's own engine until the sync lands.
+
+    Before each attempt the backend revives a dead engine. A death during the sync
+    (`EngineGone`) repeats it; a stall (`SyncTimeout`) goes to `on_stall`, which kills
+    the engine (the next attempt restarts it) or raises; an HTTP failure goes to
+    `on_refused(exc, attempt)`, which raises, or returns to repeat the sync when the
+    engine died under it. After `SYNC_ATTEMPTS` attempts, `EngineDied` names `engine`
+    and its `log`.
+    """
+    timeout_s = backend.cfg.sync_timeout_s
+    for attempt in range(SYNC_ATTEMPTS):
+        await backend.revive()
+        try:
+            return await publish(
+                backend.client,
+                transport,
+                weights,
+                version,
+                mode,
+                timeout_s=timeout_s,
+                gone=gone,
+                timings=backend.sync_timings,
+            )
+        except EngineGone as exc:
+            logger.warning("%s (attempt %d)", exc, attempt + 1)
+        except SyncTimeout as exc:
+            await on_stall(exc)
+        except (EngineUnavailableError, EngineHTTPError) as exc:
+            await on_refused(exc, attempt)
+    raise EngineDied(
+        f"weight sync failed {SYNC_ATTEMPTS} times: {engine} died or missed "
+        f"engine.sync_timeout_s ({timeout_s:g} s) each time; see {log or 'its log'}"
+    )

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from asyncgrpo.backend.base import EngineDied, EngineGone, NamedTensors, SyncTimeout, publish
+from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, sync_until_landed
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import EngineHTTPError, RetryPolicy
 from asyncgrpo.config import EngineConfig
@@ -23,8 +23,6 @@ from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.transport import make_transport
 
 logger = logging.getLogger(__name__)
-
-SYNC_ATTEMPTS = 3  # a sync interrupted by a death or a stall this many times ends the run
 
 
 class EmbeddedBackend:
@@ -81,32 +79,27 @@ class EmbeddedBackend:
             return True
 
     async def sync_weights(self, weights: NamedTensors, version: int, mode: str) -> None:
-        for attempt in range(SYNC_ATTEMPTS):
-            await self.revive()
-            try:
-                return await publish(
-                    self.client,
-                    self.transport,
-                    weights,
-                    version,
-                    mode,
-                    timeout_s=self.cfg.sync_timeout_s,
-                    gone=lambda: not self.process.alive(),
-                    timings=self.sync_timings,
-                )
-            except EngineGone as exc:
-                logger.warning("%s (attempt %d)", exc, attempt + 1)
-            except SyncTimeout as exc:
-                logger.error("%s: killing the engine process to restart it", exc)
-                await asyncio.to_thread(self.process.kill)  # SIGKILL works on a stopped one
-            except EngineHTTPError:  # a refused update changed nothing: do not stay paused
-                await self.client.resume()
-                raise
-        raise EngineDied(
-            f"weight sync failed {SYNC_ATTEMPTS} times: the engine died or missed "
-            f"engine.sync_timeout_s ({self.cfg.sync_timeout_s:g} s) each time; see "
-            f"{self.process.log_path or 'its log'}"
+        await sync_until_landed(
+            self,
+            self.transport,
+            weights,
+            version,
+            mode,
+            gone=lambda: not self.process.alive(),
+            on_stall=self._stalled,
+            on_refused=self._refused,
+            engine="the engine",
+            log=self.process.log_path,
         )
+
+    async def _stalled(self, exc: SyncTimeout) -> None:
+        logger.error("%s: killing the engine process to restart it", exc)
+        await asyncio.to_thread(self.process.kill)  # SIGKILL works on a stopped one
+
+    async def _refused(self, exc: Exception, attempt: int) -> None:
+        if isinstance(exc, EngineHTTPError):  # a refused update changed nothing: resume
+            await self.client.resume()
+        raise exc
 
     async def close(self) -> None:
         try:

@@ -40,9 +40,16 @@ from asyncgrpo.adapters import (
     is_adapter_update,
 )
 from asyncgrpo.config import EngineConfig
+from asyncgrpo.engine.loading import (
+    check_update,
+    context_limit,
+    eos_ids,
+    load_model,
+    tied_names,
+)
 from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.request import Request
-from asyncgrpo.engine.runner import SUPPORTED_ARCHITECTURES, ModelRunner
+from asyncgrpo.engine.runner import ModelRunner
 from asyncgrpo.engine.scheduler import STAGING_SLOTS, Scheduler
 from asyncgrpo.engine.types import EngineError, PauseMode, SamplingParams, TokenDelta
 
@@ -122,12 +129,12 @@ class Engine(_EngineThread):
         self.compute_dtype = getattr(torch, config.resolved_compute_dtype())
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.tokenizer, model = _load_model(config.model, self.dtype, self.compute_dtype)
+        self.tokenizer, model = load_model(config.model, self.dtype, self.compute_dtype)
         self.model = model
-        self.max_model_len = _context_limit(config, model)
+        self.max_model_len = context_limit(config, model)
         self.model_name = config.model
         self.vocab_size = int(model.config.vocab_size)
-        self.eos_token_ids = _eos_ids(model, self.tokenizer)
+        self.eos_token_ids = eos_ids(model, self.tokenizer)
         self.runner = ModelRunner(model, config.max_num_seqs + STAGING_SLOTS, self.max_model_len)
         self.prefix_cache = PrefixCache(self.runner, config.prefix_cache_tokens)
         self.scheduler = Scheduler(
@@ -280,11 +287,11 @@ class Engine(_EngineThread):
         try:
             pairs = adapter_pairs(staged) if is_adapter_update(n for n, _ in staged) else None
             if pairs is not None:
-                check_against(pairs, self._params, _tied_names(self._params))
+                check_against(pairs, self._params, tied_names(self._params))
         except AdapterError as exc:
             raise EngineError(str(exc)) from None
         if pairs is None:
-            _check_update(self._params, staged)
+            check_update(self._params, staged)
 
         def write():
             if pairs is None:
@@ -369,90 +376,3 @@ def _check_prompt(prompt_ids: list[int], max_model_len: int, vocab_size: int) ->
         )
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise EngineError(f"prompt token ids must be in [0, {vocab_size})")
-
-
-# ---- loading -------------------------------------------------------------------
-
-
-def _load_model(path: str, dtype: torch.dtype, compute_dtype: torch.dtype):
-    """(tokenizer, model): weights rounded to `dtype`, computed in `compute_dtype`, frozen."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    _check_architecture(AutoConfig.from_pretrained(path).model_type, path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model = model.to(compute_dtype).eval()  # bf16 values are exact in fp32
-    model.requires_grad_(False)
-    return tokenizer, model
-
-
-def _check_architecture(model_type: str, path: str) -> None:
-    """Refuse, before the weights load, a model the embedded engine's forward cannot run."""
-    if model_type in SUPPORTED_ARCHITECTURES:
-        return
-    raise EngineError(
-        f"{path}: model_type '{model_type}' is not one the embedded engine runs "
-        f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Train it with `engine.type: vllm` "
-        '(asyncgrpo launches a vLLM server; README, "Training with vLLM"), or serve it with '
-        "vLLM and front that server with `asyncgrpo serve --upstream-url URL`",
-        500,
-    )
-
-
-def _context_limit(config: EngineConfig, model) -> int:
-    """`config.max_model_len`, checked against the model; by default the model's own limit
-    (`max_position_embeddings`), capped at 4096 so the default KV cache stays small."""
-    limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
-    if config.max_model_len and config.max_model_len > limit:
-        raise EngineError(
-            f"max_model_len={config.max_model_len} exceeds the model's "
-            f"max_position_embeddings={limit}: lower engine.max_model_len (--max-model-len) "
-            "or leave it unset to use the model's limit",
-            500,
-        )
-    return int(config.max_model_len or min(limit, 4096))
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (model.generation_config, model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update(eos if isinstance(eos, list) else [eos])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def _check_update(params: dict[str, torch.Tensor], staged: list[tuple[str, torch.Tensor]]):
-    """Raise before anything is copied if a tensor names no parameter, or has the wrong shape
-    or dtype.
-
-    Any floating-point dtype may replace a floating-point parameter: it is rounded to the
-    engine's weight dtype on copy (fp32 master weights reach a bf16 engine so). Integer or
-    bool bytes are never taken for weights: a non-float parameter needs its exact dtype.
-    """
-    for name, tensor in staged:
-        target = params.get(name)
-        if target is None:
-            raise EngineError(f"unknown parameter '{name}'")
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise EngineError(
-                f"shape mismatch for '{name}': got {tuple(tensor.shape)}, "
-                f"expected {tuple(target.shape)}"
-            )
-        floating = target.is_floating_point()
-        if tensor.dtype != target.dtype and not (floating and tensor.is_floating_point()):
-            got, held = (str(t.dtype).removeprefix("torch.") for t in (tensor, target))
-            raise EngineError(
-                f"dtype mismatch for '{name}': got {got}, expected "
-                f"{'a floating-point dtype' if floating else held} (the engine holds {held})"
-            )
-
-
-def _tied_names(params: dict[str, torch.Tensor]) -> set[str]:
-    """Names of parameters that share one tensor with another name (a tied LM head)."""
-    holders: dict[int, list[str]] = {}
-    for name, tensor in params.items():
-        holders.setdefault(id(tensor), []).append(name)
-    return {name for names in holders.values() if len(names) > 1 for name in names}

@@ -38,9 +38,9 @@ import logging
 from pathlib import Path
 from urllib.parse import urlparse
 
-from asyncgrpo.backend.base import EngineDied, EngineGone, NamedTensors, SyncTimeout, publish
+from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, sync_until_landed
 from asyncgrpo.client import EngineClient
-from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError, RetryPolicy
+from asyncgrpo.client.retry import RetryPolicy
 from asyncgrpo.config import ConfigError, EngineConfig
 from asyncgrpo.config.engine import is_loopback
 from asyncgrpo.engine.process import EngineProcess
@@ -50,8 +50,6 @@ from asyncgrpo.vllm.launcher import VLLMServer, weight_backend
 from asyncgrpo.vllm.lora import AdapterLoader, adapter_or_weights, adapter_root
 
 logger = logging.getLogger(__name__)
-
-SYNC_ATTEMPTS = 3  # a sync interrupted by a death or a stall this many times ends the run
 
 
 class VLLMBackend:
@@ -222,33 +220,25 @@ class VLLMBackend:
         if adapter:
             self.adapters.check(weights)  # before pausing anything
             transport = self.adapters
-        for attempt in range(SYNC_ATTEMPTS):
-            await self.revive()
-            try:
-                return await publish(
-                    self.client,
-                    transport,
-                    weights,
-                    version,
-                    mode,
-                    timeout_s=self.cfg.sync_timeout_s,
-                    gone=lambda: self.server is not None and not self.server.alive(),
-                    timings=self.sync_timings,
-                )
-            except EngineGone as exc:
-                logger.warning("%s (attempt %d)", exc, attempt + 1)
-            except SyncTimeout as exc:
-                await self._stalled(exc)
-            except (EngineUnavailableError, EngineHTTPError) as exc:
-                if self.server is None or not await self._dead():
-                    await self._resume_after_failure()
-                    raise
-                logger.warning("vLLM died during weight sync: %s (attempt %d)", exc, attempt + 1)
-        raise EngineDied(
-            f"weight sync failed {SYNC_ATTEMPTS} times: vLLM died or missed "
-            f"engine.sync_timeout_s ({self.cfg.sync_timeout_s:g} s) each time; see "
-            f"{self.log_path or 'its log'}"
+        await sync_until_landed(
+            self,
+            transport,
+            weights,
+            version,
+            mode,
+            gone=lambda: self.server is not None and not self.server.alive(),
+            on_stall=self._stalled,
+            on_refused=self._refused,
+            engine="vLLM",
+            log=self.log_path,
         )
+
+    async def _refused(self, exc: Exception, attempt: int) -> None:
+        """A failed step: raise unless vLLM died under it (then the sync is repeated)."""
+        if self.server is None or not await self._dead():
+            await self._resume_after_failure()
+            raise exc
+        logger.warning("vLLM died during weight sync: %s (attempt %d)", exc, attempt + 1)
 
     async def _stalled(self, exc: SyncTimeout) -> None:
         if self.server is None:
