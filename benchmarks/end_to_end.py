@@ -318,7 +318,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
     if ASYNC in per_prompt and SYNC in per_prompt:
         result["async_minus_sync"] = paired_difference(per_prompt[ASYNC][-1], per_prompt[SYNC][-1])
 
-    from asyncgrpo.metrics.plots import plot_curves
+    from asyncgrpo.metrics.compare import plot_curves
 
     title = f"held-out reward vs wall-clock ({Path(args.recipe).stem}, seed {seed})"
     result["plot"] = str(plot_curves(curves, out / "end_to_end.png", title=title))

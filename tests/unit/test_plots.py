@@ -11,7 +11,8 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from asyncgrpo.metrics import MetricsTracker, count_values  # noqa: E402
-from asyncgrpo.metrics.plots import plot_compare, plot_main, plot_run  # noqa: E402
+from asyncgrpo.metrics.compare import plot_compare, plot_main  # noqa: E402
+from asyncgrpo.metrics.plots import plot_run  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

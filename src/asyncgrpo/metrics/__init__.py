@@ -30,15 +30,15 @@ def plot_run(run_dir, out_dir=None):
 
 
 def plot_compare(run_dirs, out_png, title="held-out reward"):
-    """Lazy forwarder to `asyncgrpo.metrics.plots.plot_compare` (imports matplotlib)."""
-    from .plots import plot_compare as _plot_compare
+    """Lazy forwarder to `asyncgrpo.metrics.compare.plot_compare` (imports matplotlib)."""
+    from .compare import plot_compare as _plot_compare
 
     return _plot_compare(run_dirs, out_png, title)
 
 
 def plot_main(argv=None) -> int:
-    """Lazy forwarder to `asyncgrpo.metrics.plots.plot_main` (`asyncgrpo plot`)."""
-    from .plots import plot_main as _plot_main
+    """Lazy forwarder to `asyncgrpo.metrics.compare.plot_main` (`asyncgrpo plot`)."""
+    from .compare import plot_main as _plot_main
 
     return _plot_main(argv)
 
