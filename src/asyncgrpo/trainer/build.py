@@ -1,9 +1,10 @@
 """The policy and the trainer a recipe asks for, on rank 0 and on every other rank.
 
 `load_policy` / `prepare_policy`: the model in float32 on the trainer's device
-(`trainer_device`), with gradient checkpointing and a LoRA adapter as configured. `policy_trainer`: the one-process `PolicyTrainer` of the
-recipe's `trainer`, `loss` and `advantage` sections. `make_trainer`: that, or rank 0 of
-several (`trainer.num_processes`, or a torchrun / accelerate launch). The other ranks
+(`trainer_device`), with gradient checkpointing and a LoRA adapter as configured.
+`policy_trainer`: the one-process `PolicyTrainer` of the recipe's `trainer`, `loss` and
+`advantage` sections. `make_trainer`: that, or rank 0 of several
+(`trainer.num_processes`, or a torchrun / accelerate launch). The other ranks
 (`follower.py`) build theirs with the same functions, so every rank trains the same
 policy the same way.
 """
@@ -53,8 +54,8 @@ def trainer_device(setting: str) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError(
-            "trainer.device is cuda, but torch sees no CUDA GPU here "
-            f"(torch {torch.__version__}): install a CUDA build of torch, or set trainer.device: cpu"
+            f"trainer.device is cuda, but torch {torch.__version__} sees no CUDA GPU here: "
+            "install a CUDA build of torch, or set trainer.device: cpu"
         )
     index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(index)
