@@ -115,9 +115,11 @@ def pack_sequences(
     prompt_lengths: Sequence[int],
     share_prefix: bool = True,
     device: torch.device | str = "cpu",
+    segment_masks: bool = True,
 ) -> PackedBatch:
     """Lay sequences out in one row (see the module docstring), its tensors on `device`;
-    nothing is padded."""
+    nothing is padded. `segment_masks`: build each shared-prompt segment's own mask (the
+    per-segment attention needs them; the dense `block_mask` does not)."""
     ids: list[int] = []
     positions: list[int] = []
     segments: list[Segment] = []
@@ -128,9 +130,9 @@ def pack_sequences(
         ids.extend(tokens)
         positions.extend(range(first_position, first_position + len(tokens)))
         if tokens:
-            mask = (
-                None if prefix is None else _prefix_causal_mask(len(tokens), first_position, device)
-            )
+            mask = None
+            if prefix is not None and segment_masks:
+                mask = _prefix_causal_mask(len(tokens), first_position, device)
             segments.append(Segment(start, len(ids), prefix, mask))
         return start
 
@@ -267,7 +269,7 @@ def packed_token_logprobs(
     `top_p < 1`: under the sampler's nucleus, see `trainer/logprobs.py`.
     """
     device = next(model.parameters()).device
-    packed = pack_sequences(seqs, prompt_lengths, share_prefix, device)
+    packed = pack_sequences(seqs, prompt_lengths, share_prefix, device, attention == "segments")
     if packed.rows.numel() == 0:  # no completion tokens: nothing to forward
         empty = [torch.zeros(0, device=device) for _ in seqs]
         return PackedLogProbs(logprobs=empty, entropy=list(empty) if with_entropy else None)
