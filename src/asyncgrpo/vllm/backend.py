@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, sync_until_landed
 from asyncgrpo.client import EngineClient
-from asyncgrpo.client.retry import RetryPolicy
+from asyncgrpo.client.retry import EngineUnavailableError, RetryPolicy
 from asyncgrpo.config import ConfigError, EngineConfig
 from asyncgrpo.config.engine import is_loopback
 from asyncgrpo.engine.process import EngineProcess
@@ -50,6 +51,9 @@ from asyncgrpo.vllm.launcher import VLLMServer, weight_backend
 from asyncgrpo.vllm.lora import AdapterLoader, adapter_or_weights, adapter_root
 
 logger = logging.getLogger(__name__)
+
+DEATH_GRACE_S = 10.0  # a dropped connection during a sync has this long to show as a death
+DEATH_POLL_S = 0.25
 
 
 class VLLMBackend:
@@ -234,11 +238,24 @@ class VLLMBackend:
         )
 
     async def _refused(self, exc: Exception, attempt: int) -> None:
-        """A failed step: raise unless vLLM died under it (then the sync is repeated)."""
-        if self.server is None or not await self._dead():
+        """A failed step: raise unless vLLM died under it (then the sync is repeated).
+
+        A dropped connection gets `DEATH_GRACE_S` to show as a death: a killed engine
+        actor reaches Ray, and its reaper kills the server, a moment after the request
+        broke (a Ray test saw the sync raise in that moment)."""
+        grace = DEATH_GRACE_S if isinstance(exc, EngineUnavailableError) else 0.0
+        if self.server is None or not await self._dies_within(grace):
             await self._resume_after_failure()
             raise exc
         logger.warning("vLLM died during weight sync: %s (attempt %d)", exc, attempt + 1)
+
+    async def _dies_within(self, grace_s: float) -> bool:
+        deadline = time.monotonic() + grace_s
+        while not await self._dead():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DEATH_POLL_S)
+        return True
 
     async def _stalled(self, exc: SyncTimeout) -> None:
         if self.server is None:
