@@ -1,9 +1,13 @@
 """`asyncgrpo export`: run directories written by the real checkpoint code, exported, then
 loaded by transformers, peft and the embedded engine's loader, and compared on logits with
-the model that was trained."""
+the model that was trained. One test trains for real: `asyncgrpo train` with `model.lora`,
+its adapter-only syncs counted on the wire, its merged export decoded greedily by
+transformers against the run's own engine at the last step."""
 
 from __future__ import annotations
 
+import json
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_train import train_rows, write_recipe
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncgrpo.backend.embedded import EmbeddedBackend
 from asyncgrpo.cli import main as cli_main
+from asyncgrpo.client import EngineClient
 from asyncgrpo.config import RunConfig
 from asyncgrpo.engine.loading import load_model as engine_load_model
 from asyncgrpo.export import export_run
@@ -194,3 +201,145 @@ def test_save_model_into_the_output_dir_as_trl_users_do(tmp_path, base_dir):
     torch.testing.assert_close(logits_of(loaded), run.logits(), atol=1e-5, rtol=0)
     assert (tmp_path / "run" / "checkpoints").is_dir()  # the run itself is untouched
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("tmp")) == []
+
+
+# ---- `asyncgrpo train` with LoRA: sync bytes, merged export against the run's engine ----
+
+RUN_LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+PROMPTS = [
+    [1, 17, 42, 99, 5],
+    [230, 7, 64, 300, 12, 3, 88],
+    [2, 150, 9, 77],
+    [400, 31, 260, 5, 118],
+]
+GREEDY_TOKENS = 12
+
+
+def adapter_bytes(model_dir: Path, lora: dict, itemsize: int) -> int:
+    """Bytes of the adapter from the model's config alone: A (r, in) and B (out, r) for
+    each targeted projection of each layer."""
+    c = json.loads((model_dir / "config.json").read_text())
+    hidden, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = hidden // heads
+    in_out = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv * head_dim),
+        "v_proj": (hidden, kv * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+    }
+    per_layer = sum(lora["r"] * sum(in_out[t]) for t in lora["target_modules"])
+    return c["num_hidden_layers"] * per_layer * itemsize
+
+
+def record_http_bodies(monkeypatch) -> list[bytes]:
+    """Each `/update_weights` body the engine accepted (http transport), as streamed."""
+    bodies: list[bytes] = []
+    original = EngineClient.update_weights_bytes
+
+    async def update_weights_bytes(client, body, size):
+        streamed = bytearray()
+
+        async def counted():
+            streamed.clear()  # a retried request streams the body again
+            async for piece in body():
+                streamed.extend(piece)
+                yield piece
+
+        await original(client, counted, size)
+        bodies.append(bytes(streamed))
+
+    monkeypatch.setattr(EngineClient, "update_weights_bytes", update_weights_bytes)
+    return bodies
+
+
+def greedy_before_close(monkeypatch) -> dict:
+    """Ask the run's engine, just before the run stops it, for its weight version and a
+    greedy continuation (token ids, log-probs) of each of `PROMPTS`."""
+    served: dict = {"samples": []}
+    original = EmbeddedBackend.close
+
+    async def close(backend):
+        served["version"] = await backend.client.weight_version()
+        for prompt in PROMPTS:
+            done = await backend.client.complete(
+                prompt, max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True
+            )
+            sample = done.samples[0]
+            served["samples"].append((sample.token_ids, sample.logprobs))
+        await original(backend)
+
+    monkeypatch.setattr(EmbeddedBackend, "close", close)
+    return served
+
+
+def test_lora_train_syncs_the_adapter_and_exports_what_the_engine_served(
+    tmp_path, base_dir, monkeypatch
+):
+    """`asyncgrpo train` with `model.lora`, fp32 engine, http weight transport: every sync
+    body holds the adapter and nothing else; `asyncgrpo export --merged` of the last step
+    decodes greedily (transformers) exactly as the run's engine did at that step, asked
+    just before the run stopped it."""
+    bodies = record_http_bodies(monkeypatch)
+    served = greedy_before_close(monkeypatch)
+    recipe = write_recipe(
+        tmp_path,
+        base_dir,
+        "lora-run",
+        max_steps=3,
+        checkpoint_steps=1,
+        **{
+            "trainer.learning_rate": 2e-2,
+            "model.lora": RUN_LORA,
+            "engine.weight_transport": "http",
+        },
+    )
+    assert cli_main(["train", str(recipe)]) == 0
+    run_dir = tmp_path / "lora-run"
+    assert [row["version"] for row in train_rows(run_dir)] == [1, 2, 3]
+
+    # one body per sync (the initial one, then after each step), each the adapter alone
+    expected = adapter_bytes(base_dir, RUN_LORA, torch.float32.itemsize)
+    assert len(bodies) == 4
+    for body in bodies:
+        (header_len,) = struct.unpack("<Q", body[:8])
+        header = json.loads(body[8 : 8 + header_len])
+        header.pop("__metadata__", None)
+        assert all(".lora_" in name and t["dtype"] == "F32" for name, t in header.items())
+        assert len(body) - 8 - header_len == expected
+
+    out = tmp_path / "merged"
+    assert cli_main(["export", str(run_dir), str(out), "--step", "3", "--merged"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    base = _base(base_dir).state_dict()
+    for name, weight in merged.state_dict().items():  # trained: targets moved, nothing else
+        moved = (weight - base[name]).abs().max().item()
+        targeted = any(f".{t}." in name for t in RUN_LORA["target_modules"])
+        assert moved > 1e-4 if targeted else moved == 0, (name, moved)
+
+    assert served["version"] == 3
+    base_model = _base(base_dir)
+    for prompt, (tokens, logprobs) in zip(PROMPTS, served["samples"], strict=True):
+        assert greedy(merged, prompt) == tokens
+        with torch.no_grad():
+            logp = torch.log_softmax(merged(torch.tensor([prompt + tokens])).logits[0], -1)
+        reference = [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(tokens)]
+        torch.testing.assert_close(
+            torch.tensor(logprobs), torch.tensor(reference), atol=1e-4, rtol=0
+        )
+    # the adapter changes what is decoded, so equal tokens are not the base's by default
+    assert any(
+        greedy(base_model, p) != tokens for p, (tokens, _) in zip(PROMPTS, served["samples"])
+    )
+
+
+def greedy(model, prompt: list[int]) -> list[int]:
+    """transformers' greedy decoding of `GREEDY_TOKENS` tokens, never stopping at eos."""
+    with torch.no_grad():
+        ids = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=GREEDY_TOKENS,
+            eos_token_id=None,  # as the engine's ignore_eos: never stop, never mask
+        )
+    return ids[0, len(prompt) :].tolist()
