@@ -6,8 +6,10 @@ Each configuration builds its trainer the way `asyncgrpo train` does
 synthetic batch of GRPO-shaped groups (after one warm-up step), the gathers that
 publish the weights, and a checkpoint. Every rank gets `--threads` torch threads, so 2
 ranks use twice the cores of one process: the step time shows how well the batch
-splits, the gather and checkpoint times what sharding costs. Configurations run one
-after another, each in a fresh process group.
+splits, the gather and checkpoint times what sharding costs. Trainer tokens/s (the
+prompt and completion tokens of a batch over its step time, median) is the scaling
+figure: printed, and written to `results/data_parallel.json` with the other columns.
+Configurations run one after another, each in a fresh process group.
 
     .venv/bin/python benchmarks/data_parallel.py                 # SmolLM2-135M
     .venv/bin/python benchmarks/data_parallel.py --tiny --steps 3
@@ -95,12 +97,16 @@ def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Pa
     trainer = make_trainer(cfg, model, run_dir, model_dir)
     try:
         trainer.step(make_groups(args, vocab, 0))  # warm-up
-        steps = []
+        steps, rates = [], []
         for k in range(args.steps):
             groups = make_groups(args, vocab, k + 1)
+            tokens = sum(
+                len(r.prompt_ids) + len(r.completion_ids) for g in groups for r in g.rollouts
+            )
             start = time.perf_counter()
             trainer.step(groups)  # ends with loss.item(): the GPU's work is done
             steps.append(time.perf_counter() - start)
+            rates.append(tokens / steps[-1])
         start = time.perf_counter()
         weights = list(trainer.named_weights(torch.bfloat16))
         gather = time.perf_counter() - start
@@ -111,12 +117,12 @@ def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Pa
         trainer.close()
     samples = args.groups * args.group_size
     step = statistics.median(steps)
-    tokens = samples * (args.prompt_len + args.completion_len)
     return {
         "config": f"{name} ({args.device}, {args.attention})",
         "step_s": step,
         "samples_per_s": samples / step,
-        "tokens_per_s": tokens / step,
+        # the trainer's tokens/s (prompt + completion, completions vary by +-16): median
+        "tokens_per_s": statistics.median(rates),
         "gather_s": gather,
         "checkpoint_s": save,
         "published_mb": sum(t.numel() * t.element_size() for _, t in weights) / 2**20,

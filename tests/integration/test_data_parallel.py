@@ -7,20 +7,27 @@ near-zero gradient (sums taken in another order) would move that weight by up to
 starts rank 1 as `python -m asyncgrpo.trainer.follower`); the reference is the
 one-process `PolicyTrainer` on the same batches. Batches have groups of different
 lengths and a micro-batch budget small enough that ranks run different numbers of
-micro-batches.
+micro-batches. Also here: a checkpoint restores into a sharded trainer exactly, and
+`asyncgrpo train` runs with 2 ranks (started by rank 0, or by torchrun), survives
+kill -9 of a rank and resumes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 from test_train import (
     checkpoint_step,
     descendants,
@@ -34,6 +41,7 @@ from asyncgrpo.config import RunConfig
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.testing import save_tiny_model_dir
 from asyncgrpo.trainer.build import load_policy, make_trainer, policy_trainer
+from asyncgrpo.trainer.checkpoint import TrainingState
 
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -94,6 +102,20 @@ def train(trainer, data) -> list[dict]:
     return [trainer.step(groups) for groups in data]
 
 
+def single_trainer(cfg: RunConfig, model_dir: Path):
+    """The one-process `PolicyTrainer` of `cfg`, on float64 weights."""
+    return policy_trainer(cfg, load_policy(cfg, str(model_dir)).double())
+
+
+def parallel_trainer(cfg: RunConfig, model_dir: Path, run_dir: Path):
+    """Rank 0 of `cfg`'s ranks (this process; the others are follower processes reading
+    `run_dir/config.yaml`), on float64 weights: rank 1 follows rank 0's dtype."""
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump()))
+    policy = load_policy(cfg, str(model_dir)).double()
+    return make_trainer(cfg, policy, run_dir, str(model_dir))
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_two_ranks_equal_one_process(tmp_path, aggregation, strategy):
@@ -129,18 +151,14 @@ def assert_two_ranks_equal_one_process(tmp_path, aggregation, strategy, **sectio
         extra["model"] = sections["model_lora"]
     single_cfg = config(tmp_path, model_dir, aggregation, 1, **extra)
     torch.manual_seed(0)
-    single = policy_trainer(single_cfg, load_policy(single_cfg, str(model_dir)).double())
+    single = single_trainer(single_cfg, model_dir)
     initial = dict(single.named_weights())
     initial = {k: v.clone() for k, v in initial.items()}
     single_metrics = train(single, batches())
 
     cfg = config(tmp_path, model_dir, aggregation, 2, strategy, **extra)
-    run_dir = tmp_path / cfg.name
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump()))
     torch.manual_seed(0)  # the same LoRA init (rank 1 gets rank 0's anyway)
-    policy = load_policy(cfg, str(model_dir)).double()  # rank 1 follows rank 0's dtype
-    parallel = make_trainer(cfg, policy, run_dir, str(model_dir))
+    parallel = parallel_trainer(cfg, model_dir, tmp_path / cfg.name)
     try:
         parallel_metrics = train(parallel, batches())
         weights = dict(parallel.named_weights())  # whole tensors, also when sharded
@@ -168,6 +186,91 @@ def assert_two_ranks_equal_one_process(tmp_path, aggregation, strategy, **sectio
             assert b["kl"] == pytest.approx(a["kl"], abs=1e-8)
     if "beta" in extra["loss"]:
         assert single_metrics[-1]["kl"] > 0
+
+
+@pytest.mark.parametrize("writer", ["fsdp", "one-process"])
+def test_a_sharded_trainer_restores_a_checkpoint_exactly(tmp_path, writer):
+    """A checkpoint (written whole by rank 0 of an fsdp trainer, or by one process) loads
+    into a fresh 2-rank fsdp trainer: each rank's shards of the weights and of Adam's
+    moments are the saved tensors' (rank 0's checked in place, both ranks' gathered back
+    by a second save), and the next step equals one process's from the same checkpoint."""
+    model_dir = save_tiny_model_dir(tmp_path / "model")
+    data = batches()
+    cfg = config(tmp_path, model_dir, "dapo", 2, "fsdp")
+    single_cfg = config(tmp_path, model_dir, "dapo", 1)
+    first = (
+        parallel_trainer(cfg, model_dir, tmp_path / "writer")
+        if writer == "fsdp"
+        else single_trainer(single_cfg, model_dir)
+    )
+    try:
+        train(first, data[:2])
+        saved = first.save_checkpoint(tmp_path / "saved", TrainingState(2, 2, {}, {}))
+    finally:
+        first.close()
+
+    restored = parallel_trainer(cfg, model_dir, tmp_path / "restored")
+    try:
+        assert restored.load_checkpoint(saved).step == restored.version == 2
+        assert_rank0_shards_equal(restored.core, saved)
+        again = restored.save_checkpoint(tmp_path / "again", TrainingState(2, 2, {}, {}))
+        parallel_metrics = restored.step(data[2])
+        weights = dict(restored.named_weights())
+    finally:
+        restored.close()
+    assert_checkpoints_equal(saved, again)
+
+    single = single_trainer(single_cfg, model_dir)
+    single.load_checkpoint(saved)
+    single_metrics = single.step(data[2])
+    assert restored.version == single.version == 3
+    saved_weights = load_file(saved / "model.safetensors")
+    moved = 0.0
+    for name, one in single.named_weights():
+        # restored Adam moments keep the step's denominators away from zero: the float32
+        # log-prob sums' rounding (~1e-16 here) is not amplified as in a first step
+        torch.testing.assert_close(weights[name], one, atol=1e-9, rtol=0, msg=name)
+        if name in saved_weights:  # a tied alias is saved once
+            moved = max(moved, float((one - saved_weights[name]).abs().max()))
+    assert moved > 1e-4  # the step from the checkpoint did change the weights
+    assert parallel_metrics["loss"] == pytest.approx(single_metrics["loss"], abs=1e-8)
+    assert parallel_metrics["grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-6)
+
+
+def assert_rank0_shards_equal(core, checkpoint: Path) -> None:
+    """Rank 0 holds the first half (dim 0) of every saved weight and Adam moment, and the
+    saved Adam step, exactly."""
+    weights = load_file(checkpoint / "model.safetensors")
+    tensors = load_file(checkpoint / "optimizer.safetensors")
+    state = core.model.state_dict()
+    for name, whole in weights.items():
+        assert torch.equal(state[name].to_local(), whole.chunk(2)[0]), name
+    params = [p for group in core.optimizer.param_groups for p in group["params"]]
+    for index, param in enumerate(params):
+        moments = core.optimizer.state[param]
+        assert moments["exp_avg"].dtype == param.dtype == torch.float64
+        for key in ("exp_avg", "exp_avg_sq"):
+            local = moments[key].to_local()
+            assert torch.equal(local, tensors[f"{index}.{key}"].chunk(2)[0]), (index, key)
+        assert torch.equal(moments["step"], tensors[f"{index}.step"]), index
+        assert float(moments["step"]) == 2
+
+
+def assert_checkpoints_equal(a: Path, b: Path) -> None:
+    """The same weights, Adam moments and steps (float64, bit for bit), hyper-parameters and
+    schedule."""
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        one, two = load_file(a / file), load_file(b / file)
+        one = {k: v for k, v in one.items() if not k.startswith("rng.")}
+        two = {k: v for k, v in two.items() if not k.startswith("rng.")}
+        assert one.keys() == two.keys(), file
+        for name in one:
+            assert torch.equal(one[name], two[name]), (file, name)
+    keys = {k.split(".", 1)[1] for k in load_file(a / "optimizer.safetensors")}
+    assert keys == {"exp_avg", "exp_avg_sq", "step", "torch_rng"}
+    state_a, state_b = (json.loads((c / "state.json").read_text()) for c in (a, b))
+    assert state_a["optimizer"] == state_b["optimizer"]
+    assert state_a["scheduler"] == state_b["scheduler"]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -213,6 +316,44 @@ def test_a_two_process_run_survives_kill_9_of_a_rank_by_resuming(
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["version"] for r in rows] == list(range(1, 9))
     assert (run_dir / "trainer-rank1.log").exists()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_torchrun_launch_trains_on_both_ranks(tmp_path, tiny_model_dir, strategy):
+    """`torchrun --nproc_per_node 2 -m asyncgrpo.cli train RECIPE`: each rank reads
+    RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (the agent's store); rank 0 runs the
+    whole run and starts no rank of its own, rank 1 follows it. Every step waits for
+    rank 1's reply (and its share of the all-reduce or all-gathers), so versions that
+    advance mean both ranks trained."""
+    recipe = write_recipe(
+        tmp_path,
+        tiny_model_dir,
+        "torchrun",
+        max_steps=4,
+        checkpoint_steps=4,
+        **{"trainer.collective_timeout_s": 60, "trainer.strategy": strategy},
+    )
+    run_dir, log = tmp_path / "torchrun", tmp_path / "torchrun.log"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [*launcher, "--nproc_per_node", "2", "--tee", "3"]
+            + ["-m", "asyncgrpo.cli", "train", str(recipe)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert [r["version"] for r in train_rows(run_dir)] == [1, 2, 3, 4]
+    assert checkpoint_step(run_dir) == 4
+    assert f"starting 2 trainer ranks ({strategy})" in text
+    assert re.search(r"^\[\w*1\]:", text, re.M), "no output from rank 1"  # torchrun's prefix
+    assert not (run_dir / "trainer-rank1.log").exists()  # torchrun's rank, not a spawned one
 
 
 def cmdline(pid: int) -> str:
