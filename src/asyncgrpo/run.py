@@ -86,7 +86,8 @@ def continuous_training(r: RunContext, stop: threading.Event) -> None:
     """Consumer: batches -> optimizer steps; weights back to the engine as they change."""
     cfg = r.cfg
     progress = ProgressDisplay(cfg.max_steps, start_step=r.step, max_time_s=cfg.max_time_s)
-    while r.step < cfg.max_steps and not stop.is_set() and not r.out_of_time():
+    # out of time before this session's first step, `next_batch` raises, saying why
+    while r.step < cfg.max_steps and not stop.is_set() and not r.time_up():
         groups = r.next_batch(stop)  # fresh groups only: too-stale ones are dropped here
         if groups is None:
             break

@@ -75,6 +75,7 @@ class RunContext:
     activity: tuple[str, float] = field(default_factory=lambda: ("starting", time.monotonic()))
     _doing_depth: int = 0
     restarts_before: int = 0  # engine restarts of the sessions this one resumes
+    first_step: int = 0  # the step this session began at (a resumed run's checkpoint)
     watchdog: Watchdog | None = None
 
     @property
@@ -136,11 +137,16 @@ class RunContext:
         budget = self.cfg.max_time_s
         return budget is not None and time.monotonic() - self.start_time >= budget
 
+    def time_up(self) -> bool:
+        """`max_time_s` is spent after this session's first step: a normal end."""
+        return self.out_of_time() and self.step > self.first_step
+
     def next_batch(self, stop: threading.Event) -> list[Group] | None:
         """Wait for a full batch of fresh groups, watching the engine and the producer.
 
         Returns None when `stop` is set or `max_time_s` is spent while waiting; aborts
-        after `request_timeout_s`, or when the orchestrator finds that no group can succeed.
+        after `request_timeout_s`, when the orchestrator finds that no group can succeed, or
+        when `max_time_s` is spent before this session's first batch.
         """
         timeout = self.cfg.rollout.request_timeout_s
         deadline = time.monotonic() + timeout
@@ -149,6 +155,8 @@ class RunContext:
                 self._check_producer()
                 self._revive_engine()
                 if self.out_of_time():
+                    if self.step == self.first_step:  # nothing trained: a failure, not an end
+                        raise RunAborted(self._no_batch_in_time())
                     logger.warning(
                         "max_time_s (%g s) is spent while waiting for a batch: stopping | %s",
                         self.cfg.max_time_s,
@@ -164,6 +172,15 @@ class RunContext:
                             f"{self.report()}"
                         ) from None
         return None
+
+    def _no_batch_in_time(self) -> str:
+        return (
+            f"no batch came within max_time_s ({self.cfg.max_time_s:g} s), so no optimizer "
+            "step was taken. Likely causes: every group is dropped ('dropped' below, the first "
+            "error above), a reward function or the engine slower than the budget, or a batch "
+            "too big for it (raise max_time_s, or lower coordinator.batch_groups, "
+            f"rollout.num_generations or rollout.max_tokens) | {self.report()}"
+        )
 
     def _check_producer(self) -> None:
         if self.orchestrator.fatal is not None:
@@ -226,6 +243,7 @@ class RunContext:
             self.orchestrator.failures.update(counts.get("failures", {}))
             self.restarts_before = int(counts.get("engine_restarts", 0))
         self.start_time -= float(state.extra.get("time_s", 0.0))
+        self.first_step = self.step
         self.tracker.truncate_after(state.step)
         logger.info("resumed at step %d", state.step)
 

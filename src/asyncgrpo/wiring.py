@@ -313,6 +313,11 @@ def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func):
             a.max_infra_retries,
             dict(a.failure_rewards),
         )
+        if cfg.rollout.max_prompt_length is not None:
+            logger.warning(
+                "rollout.max_prompt_length applies to single-turn rollouts only: "
+                "agent episodes ignore it (engine.max_model_len bounds them)"
+            )
         fn = rollout_func or load_rollout(a.rollout)
         return EpisodeGroupBuilder(
             client, fn, settings, decode, graders=rewards, advantage=cfg.advantage
@@ -320,5 +325,7 @@ def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func):
     from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
 
     r = cfg.rollout
-    sampling = SamplingSettings(r.num_generations, r.max_tokens, r.temperature, r.top_p, cfg.seed)
+    sampling = SamplingSettings(
+        r.num_generations, r.max_tokens, r.temperature, r.top_p, cfg.seed, r.max_prompt_length
+    )
     return SingleTurnBuilder(client, tokenizer, rewards, sampling, cfg.advantage)

@@ -6,7 +6,8 @@ On the tiny model, through the CLI (exit code) and the API (exception):
   naming the function and its first error;
 - rewards that are the same for every completion end it saying so, with a sample;
 - a run whose batches never come (a reward that never returns) ends near
-  `max_time_s`, not at `rollout.request_timeout_s`;
+  `max_time_s`, not at `rollout.request_timeout_s`, non-zero (a run that trained and
+  then ran out of time ends normally);
 - rows without a prompt: a data file is refused before the engine starts, and rows
   that reach the pipeline anyway (the real loop with a fake engine) stop the run
   after a bounded number of drops, never in a hot loop.
@@ -14,6 +15,7 @@ On the tiny model, through the CLI (exit code) and the API (exception):
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -96,6 +98,21 @@ def test_a_reward_that_always_raises_ends_the_run_naming_it(tmp_path, tiny_model
     assert 12 <= failures["reward_error"] < 200, failures  # stopped, and never hot
 
 
+@pytest.mark.slow
+def test_a_reward_that_always_raises_ends_the_demo_recipe_within_60_s(tmp_path):
+    """The acceptance case on the shipped model: `recipes/demo.yaml` with its reward
+    replaced by one that always raises (engine start and model loading included)."""
+    demo = Path(__file__).parents[2] / "recipes" / "demo.yaml"
+    cfg = yaml.safe_load(demo.read_text())
+    cfg.update(name="demo-raises", output_dir=str(tmp_path), rewards=["spin_rewards:always_raises"])
+    code, out, elapsed = run_cli(tmp_path, cfg, timeout_s=180)
+    print(f"demo recipe, always-raising reward: exit {code} after {elapsed:.1f} s")
+    assert code == 1, out[-3000:]
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert "run aborted: no progress: the last" in out, out[-3000:]
+    assert "reward function 'always_raises' raised ValueError" in out, out[-3000:]
+
+
 def test_constant_rewards_end_the_run_with_a_sample(tmp_path, tiny_model_dir):
     def constant_reward(prompts, completions, **kwargs):
         return [0.5] * len(completions)
@@ -131,9 +148,50 @@ def test_max_time_s_ends_a_run_whose_batches_never_come(tmp_path, tiny_model_dir
         **{"rollout.reward_timeout_s": 500, "rollout.request_timeout_s": 500},
     )
     code, out, elapsed = run_cli(tmp_path, cfg, timeout_s=180)
-    assert code == 0, out[-3000:]
-    assert "max_time_s (20 s) is spent while waiting for a batch" in out, out[-3000:]
+    assert code == 1, out[-3000:]  # no step was taken: a failure, not an end
+    assert "run aborted: no batch came within max_time_s (20 s), so no optimizer step" in out
+    assert "a reward function or the engine slower than the budget" in out
+    assert "reward calls: 'never_returns'" in out, out[-3000:]  # what it waited for
     assert elapsed < 20 + 60, f"took {elapsed:.0f} s"
+
+
+class HangsAfter:
+    """A fake `GroupBuilder` whose groups after the first `groups` never come."""
+
+    def __init__(self, groups: int):
+        self.groups = groups
+
+    def __call__(self, engine):
+        builder = unit_fakes().FakeBuilder(engine)
+        build, left = builder.build, [self.groups]
+
+        async def build_then_hang(group_id, position, row):
+            left[0] -= 1
+            if left[0] < 0:
+                await asyncio.Event().wait()
+            return await build(group_id, position, row)
+
+        builder.build = build_then_hang
+        return builder
+
+
+@pytest.mark.parametrize("steps", [0, 1])
+def test_max_time_s_before_the_first_step_is_an_error_after_it_an_end(tmp_path, steps):
+    """Through the API (`run_to_end`, what `train()` runs): no step in the budget raises,
+    a step then the budget spent returns as a normal end."""
+    fakes = unit_fakes()
+    cfg = fakes.run_config(tmp_path)
+    cfg.max_time_s, cfg.rollout.request_timeout_s = 3.0, 300
+    groups = steps * cfg.coordinator.batch_groups
+    r = fakes.assemble(cfg, [{"prompt": f"p{i}"} for i in range(5)], builder=HangsAfter(groups))
+    start = time.monotonic()
+    if steps == 0:
+        with pytest.raises(RunAborted, match=r"^no batch came within max_time_s \(3 s\)"):
+            run_to_end(r, threading.Event())
+    else:
+        run_to_end(r, threading.Event())
+    assert r.step == steps
+    assert time.monotonic() - start < 30
 
 
 def test_a_data_file_row_without_a_prompt_is_refused_up_front(tmp_path, tiny_model_dir):

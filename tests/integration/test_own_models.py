@@ -21,7 +21,7 @@ from asyncgrpo.config import EngineConfig, RunConfig
 from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.process import EngineProcess, EngineProcessError, last_words
 from asyncgrpo.engine.types import EngineError
-from asyncgrpo.testing import save_tiny_model_dir
+from asyncgrpo.testing import build_tiny_tokenizer, save_tiny_model_dir
 from asyncgrpo.trainer.checkpoint import (
     TrainingState,
     copy_weights,
@@ -93,6 +93,45 @@ def test_engine_process_failure_carries_the_cause_from_its_log(tmp_path, unsuppo
         assert "model_type 'gpt2'" in message and "engine.type: vllm" in message
         assert "earlier run" not in message
         assert (str(log) in message) == (log_path is not None)
+
+
+def test_train_on_an_unsupported_architecture_prints_the_cause(tmp_path):
+    """End to end through `asyncgrpo train`: a GPT-2 directory with weights and a tokenizer
+    (the trainer loads it; the embedded engine refuses it), the cause from engine.log on the
+    console, non-zero."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = build_tiny_tokenizer()
+    config = GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=len(tokenizer))
+    config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
+    model_dir = tmp_path / "gpt2-like"
+    GPT2LMHeadModel(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    recipe = {
+        "name": "gpt2",
+        "output_dir": str(tmp_path),
+        "max_steps": 2,
+        "model": {"name_or_path": str(model_dir)},
+        "engine": {"dtype": "float32", "num_threads": 1, "max_model_len": 128},
+        "dataset": {"builtin": "word_count", "size": 8, "eval_size": 2},
+        "rewards": ["word_count_reward"],
+        "rollout": {"num_generations": 2, "max_tokens": 4},
+        "coordinator": {"batch_groups": 1},
+    }
+    (tmp_path / "gpt2.yaml").write_text(yaml.safe_dump(recipe))
+    out = subprocess.run(
+        [sys.executable, "-m", "asyncgrpo.cli", "train", str(tmp_path / "gpt2.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    console = out.stdout + out.stderr
+    assert out.returncode != 0, console[-3000:]
+    assert "run aborted: the engine did not start: engine process exited with code 2" in console
+    assert "model_type 'gpt2' is not one the embedded engine runs" in console, console[-3000:]
+    assert "engine.type: vllm" in console
+    assert "model_type 'gpt2'" in (tmp_path / "gpt2" / "engine.log").read_text()
+    assert "Traceback" not in console
 
 
 def test_serve_on_a_broken_model_prints_the_cause(tmp_path):

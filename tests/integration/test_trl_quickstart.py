@@ -1,5 +1,7 @@
-"""TRL's quickstart, ported by renaming the two classes, runs unchanged on SmolLM2, and
-its export loads in transformers with the engine's own greedy output (fp32)."""
+"""TRL's quickstart, ported by renaming the two classes, runs unchanged on SmolLM2 (the
+issue's script, TRL's default num_generations included), its export is the last
+checkpoint's trained policy, and it loads in transformers with the engine's own greedy
+output (fp32)."""
 
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ def reward_len(completions, **kwargs):
 
 def test_a_trl_style_script_runs_and_its_export_matches_the_engine(tmp_path):
     from datasets import Dataset
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from asyncgrpo.models import resolve_model
 
     ds = Dataset.from_list([{"prompt": f"Write one line about {t}."} for t in TOPICS * 4])
     args = AsyncGRPOConfig(
@@ -34,14 +38,22 @@ def test_a_trl_style_script_runs_and_its_export_matches_the_engine(tmp_path):
         logging_steps=1,
         learning_rate=1e-5,
         max_steps=3,
-        num_generations=4,
     )
     trainer = AsyncGRPOTrainer(
         model="smollm2-135m", reward_funcs=reward_len, train_dataset=ds, args=args
     )
-    trainer.train()
+    run_dir = trainer.train()
     out = tmp_path / "exported"
     trainer.save_model(str(out))
+
+    # the export is the last checkpoint's policy, which training moved from the base model
+    exported = load_file(out / "model.safetensors")
+    trained = load_file(run_dir / "checkpoints" / "step-000003" / "model.safetensors")
+    base = load_file(resolve_model("smollm2-135m") / "model.safetensors")
+    assert trained.keys() <= exported.keys() and trained.keys() <= base.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(exported[name].float(), tensor.float()), name
+    assert any(not torch.equal(base[n].float(), t.float()) for n, t in trained.items())
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     messages = [{"role": "user", "content": "Write one line about the sea."}]

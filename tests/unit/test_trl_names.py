@@ -57,6 +57,12 @@ def fresh_notes(monkeypatch):
         ({"scale_rewards": True}, "advantage.scale_rewards", "group"),
         ({"scale_rewards": "batch"}, "advantage.scale_rewards", "batch"),
         ({"learning_rate": 3e-6}, "trainer.learning_rate", 3e-6),
+        ({"mask_truncated_completions": True}, "loss.mask_truncated_completions", True),
+        ({"max_prompt_length": 512}, "rollout.max_prompt_length", 512),
+        ({"top_k": 0}, "rollout.top_p", 1.0),  # TRL's defaults: disabled, nothing to set
+        ({"top_k": None}, "rollout.top_p", 1.0),
+        ({"top_k": -1}, "rollout.top_p", 1.0),
+        ({"repetition_penalty": 1.0}, "rollout.top_p", 1.0),
     ],
 )
 def test_each_trl_name_lands_on_its_field(trl, path, expected):
@@ -85,25 +91,24 @@ def test_names_without_an_equivalent_are_listed_in_one_error():
         AsyncGRPOConfig(
             top_k=50,
             repetition_penalty=1.1,
-            max_prompt_length=512,
-            mask_truncated_completions=True,
+            num_train_epochs=3,
             loss_type="sapo",
             lr_scheduler_type="polynomial",
             learnin_rate=1e-5,
         )
     message = str(err.value)
     for name in (
-        "'top_k'",
-        "'repetition_penalty'",
-        "'max_prompt_length'",
-        "'mask_truncated_completions'",
+        "top_k=50 (TRL) has no equivalent here: rollout sampling has temperature and top_p "
+        "only (the trainer recomputes log-probs of the engine's distribution); leave it at 0",
+        "repetition_penalty=1.1 (TRL) has no equivalent here",
+        "'num_train_epochs'",
         "loss_type='sapo'",
         "lr_scheduler_type='polynomial'",
         "did you mean 'learning_rate' ('trainer.learning_rate')",
     ):
         assert name in message, (name, message)
     assert "unknown key 'loss_type'" not in message  # reported once, for its value
-    assert "engine.max_model_len" in message  # what to use instead
+    assert "max_steps" in message  # what to use instead
 
 
 def test_batch_size_that_does_not_split_into_groups_is_refused():
@@ -125,7 +130,12 @@ def test_misplaced_trl_names_point_to_the_right_field():
         build_config({"trainer": {"save_steps": 3}})
     with pytest.raises(ConfigError) as err:
         build_config({"trainer": {"logging_steps": 3}})
-    assert "checkpoint_steps" not in str(err.value)
+    # no hint to a wrong field (it once said 'checkpoint_steps'): the section's keys
+    assert "unknown key 'trainer.logging_steps'; valid keys: learning_rate," in str(err.value)
+    with pytest.raises(ConfigError, match=r"'logging_step'; did you mean 'logging_steps'\?$"):
+        build_config({"logging_step": 3})
+    with pytest.raises(ConfigError, match=r"TRL's 'max_prompt_length' is 'rollout.max_prompt_"):
+        build_config({"trainer": {"max_prompt_length": 3}})
 
 
 def test_recipes_and_set_take_flat_and_trl_names(tmp_path):

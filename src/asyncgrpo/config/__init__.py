@@ -70,7 +70,9 @@ class RunConfig(Section):
     max_steps: int = Field(50, ge=1)
     """Optimizer steps to train."""
     max_time_s: float | None = Field(None, gt=0)
-    """Optional wall-clock budget; the run checkpoints and stops when it is spent."""
+    """Optional wall-clock budget; the run checkpoints and stops when it is spent. Spent
+    before the run's (or the resumed session's) first optimizer step, it is an error (exit 1;
+    `RunAborted` through the API) that says what the run was waiting for."""
     eval_steps: int = Field(10, ge=1)
     """Evaluate held-out reward every this many steps (and before the first)."""
     eval_limit: int | None = Field(None, ge=1)

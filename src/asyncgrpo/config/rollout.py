@@ -39,6 +39,11 @@ class RolloutConfig(Section):
     """Completions per prompt (the GRPO group size)."""
     max_tokens: int = Field(128, ge=1)
     """Most tokens generated per completion."""
+    max_prompt_length: int | None = Field(None, ge=1)
+    """Keep only the last this many tokens of each rendered prompt (None: whole prompts;
+    `engine.max_model_len` bounds prompt + completion). The meaning of TRL < 1.0's
+    `max_prompt_length`, which truncated on the left. Single-turn rollouts only: agent
+    episodes ignore it, with a warning at start (their prompts are the rollout's own)."""
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature; the trainer divides its logits by the same value."""
     top_p: float = Field(1.0, gt=0, le=1)

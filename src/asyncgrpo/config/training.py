@@ -37,6 +37,11 @@ class LossConfig(Section):
     with the adapter disabled, so nothing is copied. The step's mean k3 is logged as `kl`."""
     kl_is_correction: bool = False
     """Weight the k3 KL by the detached IS ratio π_θ/π_engine (unbiased under the sampler)."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut off by `rollout.max_tokens` (finish reason `length`) out of the
+    loss, as TRL's option does: their tokens carry no loss and are not counted in the
+    step's tokens or sequences, while their rewards still count in their group's
+    advantages. TRL keeps them in grpo's and dr_grpo's sequence count (with zero loss)."""
 
     @field_validator("name")
     @classmethod
@@ -120,9 +125,9 @@ class TrainerConfig(Section):
     num_threads: int = Field(1, ge=1)
     """torch threads of the trainer process (of each rank)."""
     num_processes: int = Field(1, ge=1)
-    """Data-parallel trainer ranks (FSDP2). More than 1: `asyncgrpo train` is rank 0 and
-    starts the others; under `torchrun` / `accelerate launch` the launcher's
-    WORLD_SIZE counts instead."""
+    """Data-parallel trainer ranks (see `strategy`: ddp by default, or FSDP2). More than
+    1: `asyncgrpo train` is rank 0 and starts the others; under `torchrun` /
+    `accelerate launch` the launcher's WORLD_SIZE counts instead."""
     strategy: Literal["ddp", "fsdp"] = "ddp"
     """How ranks share the work. `ddp`: each rank holds the whole model and optimizer,
     gradients are averaged (DDP's arithmetic). `fsdp`: FSDP2 shards weights, gradients

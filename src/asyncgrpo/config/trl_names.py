@@ -11,7 +11,8 @@ names. `translate` rewrites such top-level keys before validation:
 - a leaf name unique across sections (`learning_rate`) becomes its dotted path;
 - a TRL name with no equivalent here is a problem, reported together with every other
   mistake of the config in one error (nothing is silently ignored but `logging_steps`,
-  whose job, per-step metrics, is always done).
+  whose job, per-step metrics, is always done, and `top_k` / `repetition_penalty` at
+  their neutral values, which sample as we do).
 
 TRL names take precedence over our flat names: `epsilon` is TRL's clip range, not
 `advantage.epsilon`.
@@ -35,12 +36,6 @@ class Unsupported(ValueError):
 
 # name -> why there is no equivalent (and what to use instead)
 NO_EQUIVALENT = {
-    "max_prompt_length": "prompts are never truncated; engine.max_model_len bounds prompt + "
-    "completion",
-    "mask_truncated_completions": "truncated completions are trained like the others",
-    "top_k": "rollout sampling has temperature and top_p only (the trainer recomputes "
-    "log-probs of the same distribution)",
-    "repetition_penalty": "the engine samples without a repetition penalty",
     "num_train_epochs": "training length is max_steps (or max_time_s); prompts cycle",
     "num_iterations": "each batch is trained on once",
 }
@@ -122,6 +117,27 @@ def _schedule(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
     return {"trainer.lr_schedule": SCHEDULES[value]}, None
 
 
+# the trainer recomputes log-probs of the distribution the engine sampled from, which is
+# shaped by temperature and top_p only: other sampling settings pass at their neutral value
+SAMPLING = (
+    "rollout sampling has temperature and top_p only (the trainer recomputes log-probs of "
+    "the engine's distribution)"
+)
+
+
+def _neutral(name: str, neutral: tuple, what: str) -> Rule:
+    """A sampling setting accepted at its neutral (disabled) values only."""
+
+    def rule(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
+        if not isinstance(value, bool) and value in neutral:
+            return {}, None
+        raise Unsupported(
+            f"{name}={value!r} (TRL) has no equivalent here: {SAMPLING}; leave it at {what}"
+        )
+
+    return rule
+
+
 def _use_vllm(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
     if not value:
         return {}, None
@@ -178,6 +194,8 @@ TRL_RULES: dict[str, Rule] = {
     "vllm_server_base_url": _vllm_url,
     "report_to": _report_to,
     "scale_rewards": _scale_rewards,
+    "top_k": _neutral("top_k", (0, -1, None), "0 (disabled, TRL's default)"),
+    "repetition_penalty": _neutral("repetition_penalty", (1.0,), "1.0 (TRL's default)"),
 }
 
 # where a TRL name lands, for hints on a misplaced one (`trainer.save_steps`)
@@ -195,6 +213,8 @@ TRL_TARGETS = {
     "run_name": "name",
     "use_vllm": "engine.type",
     "vllm_server_base_url": "engine.base_url",
+    "max_prompt_length": "rollout.max_prompt_length",
+    "mask_truncated_completions": "loss.mask_truncated_completions",
 }
 
 

@@ -35,6 +35,7 @@ class SamplingSettings:
     temperature: float
     top_p: float = 1.0
     seed: int | None = None  # per-group seeds derive from it: a fixed seed repeats a run
+    max_prompt_length: int | None = None  # keep the prompt's last ids (TRL < 1.0's truncation)
 
 
 class SingleTurnBuilder:
@@ -56,7 +57,10 @@ class SingleTurnBuilder:
         self.generated_tokens = 0
 
     def render(self, prompt: Any) -> list[int]:
-        return render_prompt(self.tokenizer, prompt)
+        """The prompt's token ids, left-truncated to `max_prompt_length` (the end is kept)."""
+        ids = render_prompt(self.tokenizer, prompt)
+        keep = self.sampling.max_prompt_length
+        return ids[-keep:] if keep is not None and len(ids) > keep else ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

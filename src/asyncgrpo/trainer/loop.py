@@ -21,6 +21,7 @@ recipe (`max_steps`, the sampling temperature, the completion length limit).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from contextlib import nullcontext
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
+from asyncgrpo.coordinator.staleness import staleness
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.trainer.advantages import compute_advantages
 from asyncgrpo.trainer.batch import Prepared, StepTotals
@@ -143,19 +145,26 @@ class PolicyTrainer:
         return self.step_metrics(batch, totals, grad_norm, time.perf_counter() - start)
 
     def prepare(self, groups: list[Group]) -> Prepared:
-        """The batch's samples, advantages and whole-step counts."""
+        """The batch's samples, advantages and whole-step counts.
+
+        With `loss.mask_truncated_completions`, completions cut off by the length limit
+        count in their group's advantages, then are left out of the loss and the counts."""
+        advantages = self.advantages(groups)  # over every sample, truncated ones included
         rollouts = [r for g in groups for r in g.rollouts]
+        truncated_out = self.loss_cfg.mask_truncated_completions
+        masked = [truncated_out and r.finish_reason == "length" for r in rollouts]
+        rollouts = [without_loss(r) if m else r for r, m in zip(rollouts, masked, strict=True)]
         completion_tokens = sum(r.num_sampled for r in rollouts)  # loss tokens only
         counts = dict(
             num_global_tokens=float(max(completion_tokens, 1)),
             num_batch_tokens=float(max(completion_tokens, 1)),
-            num_global_sequences=float(len(rollouts)),
+            num_global_sequences=float(max(len(rollouts) - sum(masked), 1)),
             max_completion_length=self.max_completion_length
             or max(len(r.completion_ids) for r in rollouts),
             dp_world_size=self.dp_world_size,
         )
         group_of = [g.group_id for g in groups for _ in g.rollouts]
-        return Prepared(rollouts, self.advantages(groups), group_of, counts)
+        return Prepared(rollouts, advantages, group_of, counts)
 
     def accumulate(self, batch: Prepared) -> StepTotals:
         """Forward and backward over `batch` in packed micro-batches; gradients accumulate."""
@@ -196,11 +205,12 @@ class PolicyTrainer:
     ) -> dict[str, float]:
         rollouts = batch.rollouts
         metrics = totals.means()
+        started_at = self.version - 1  # the version the step began at: update() bumped it
         metrics.update(
             loss=totals.loss / self.dp_world_size,  # each rank's loss is scaled by the ranks
             grad_norm=grad_norm,
             learning_rate=self.scheduler.get_last_lr()[0],
-            **batch_metrics(rollouts, batch.advantages),
+            **batch_metrics(rollouts, batch.advantages, started_at),
             completion_len_mean=sum(r.num_sampled for r in rollouts) / len(rollouts),
             train_tokens_per_s=sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
             / elapsed,
@@ -302,15 +312,45 @@ class PolicyTrainer:
 PADDING = Rollout([0], [0], [0.0], [], "", "", completion_mask=[0])
 
 
-def batch_metrics(rollouts: list[Rollout], advantages: np.ndarray) -> dict[str, float]:
-    """Reward mean and std (NaN-aware, NaN when nothing was scored), mean |advantage|."""
+def batch_metrics(
+    rollouts: list[Rollout], advantages: np.ndarray, trainer_version: int
+) -> dict[str, float]:
+    """Reward mean and std (NaN-aware, NaN when nothing was scored), mean |advantage|, and
+    the per-token staleness against `trainer_version`, the version the step began at."""
     rewards = np.array([r.reward for r in rollouts], dtype=np.float64)
     scored = np.isfinite(rewards).any()
     return dict(
         reward_mean=float(np.nanmean(rewards)) if scored else float("nan"),
         reward_std=float(np.nanstd(rewards)) if scored else float("nan"),
         advantage_abs_mean=float(np.abs(advantages).mean()),
+        **token_staleness(rollouts, trainer_version),
     )
+
+
+def token_staleness(rollouts: list[Rollout], trainer_version: int) -> dict[str, float]:
+    """`token_staleness_mean` / `_max`: `trainer_version` minus the version that sampled
+    each token, over the sampled tokens (mask 1, version >= 0); NaN when there are none.
+
+    Unlike the group's `staleness_*` (its oldest token, `metrics/rows.py`), a completion
+    that a weight sync split mid-generation counts each token at its own version.
+    """
+    ages = [
+        staleness(trainer_version, version)
+        for r in rollouts
+        for version, sampled in zip(
+            r.versions, r.completion_mask or [1] * len(r.versions), strict=False
+        )  # a rollout rebuilt without versions (`Prepared.from_message`) counts none
+        if sampled and version >= 0
+    ]
+    if not ages:
+        return dict(token_staleness_mean=float("nan"), token_staleness_max=float("nan"))
+    return dict(token_staleness_mean=float(np.mean(ages)), token_staleness_max=float(max(ages)))
+
+
+def without_loss(rollout: Rollout) -> Rollout:
+    """A copy of `rollout` whose tokens carry no loss (the group's own object is kept, for
+    samples.jsonl and the metrics)."""
+    return dataclasses.replace(rollout, completion_mask=[0] * len(rollout.completion_ids))
 
 
 def sampled_mask(rollouts: list[Rollout], width: int) -> torch.Tensor:
