@@ -72,3 +72,27 @@ def test_a_sync_interval_the_staleness_bound_cannot_absorb_is_refused():
         load_config(None, ["coordinator.weight_sync_steps=3", "coordinator.max_staleness=1"])
     cfg = load_config(None, ["coordinator.weight_sync_steps=3", "coordinator.max_staleness=2"])
     assert cfg.coordinator.weight_sync_steps == 3
+
+
+def test_a_vllm_server_off_loopback_needs_the_explicit_opt_in():
+    with pytest.raises(
+        ConfigError,
+        match=r"vllm_host '0\.0\.0\.0': vLLM's pause and weight-update routes have no "
+        r"authentication.*set allow_unauthenticated_vllm: true",
+    ):
+        build_config({"engine": {"type": "vllm", "vllm_host": "0.0.0.0"}})
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert build_config({"engine": {"type": "vllm", "vllm_host": host}})
+    opted_in = {"type": "vllm", "vllm_host": "0.0.0.0", "allow_unauthenticated_vllm": True}
+    assert build_config({"engine": opted_in}).engine.vllm_host == "0.0.0.0"
+
+
+def test_replicas_of_one_attached_vllm_server_are_refused():
+    attached = {"type": "vllm", "base_url": "http://127.0.0.1:8000"}
+    with pytest.raises(
+        ConfigError, match=r"replicas 2 with base_url: an attached vLLM server is one replica"
+    ):
+        build_config({"engine": {**attached, "replicas": 2}})
+    assert build_config({"engine": attached}).engine.replicas == 1
+    launched = build_config({"engine": {"type": "vllm", "replicas": 2}}).engine
+    assert launched.replicas == 2 and launched.base_url is None

@@ -282,3 +282,36 @@ def test_a_missing_vllm_environment_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(VLLMServerError, match="engine.vllm_python.*make test-vllm"):
         VLLMServer(cfg.model_copy(update={"vllm_python": None}))
+
+
+# ---- a server that others can reach --------------------------------------------------
+
+EXPOSED = "vLLM's pause and weight-update routes have no authentication"
+
+
+def test_a_launched_server_on_a_non_loopback_host_is_warned_about(tmp_path, caplog):
+    cfg = EngineConfig(type="vllm", model=str(tmp_path), vllm_python="/bin/sh")
+    with caplog.at_level("WARNING", logger="asyncgrpo.vllm.launcher"):
+        VLLMServer(cfg)
+    assert EXPOSED not in caplog.text
+    exposed = cfg.model_copy(update={"vllm_host": "10.1.2.3", "allow_unauthenticated_vllm": True})
+    with caplog.at_level("WARNING", logger="asyncgrpo.vllm.launcher"):
+        server = VLLMServer(exposed)
+    assert server.command()[server.command().index("--host") + 1] == "10.1.2.3"
+    assert "engine.vllm_host 10.1.2.3 is not a loopback address" in caplog.text
+    assert EXPOSED in caplog.text and "replace its weights" in caplog.text
+
+
+def test_an_attached_server_on_a_non_loopback_address_is_warned_about(tmp_path, caplog):
+    from asyncgrpo.vllm.backend import VLLMBackend
+
+    cfg = EngineConfig(type="vllm", model=str(tmp_path), base_url="http://127.0.0.1:8000")
+    with caplog.at_level("WARNING", logger="asyncgrpo.vllm.backend"):
+        run(VLLMBackend(cfg).close())
+    assert EXPOSED not in caplog.text
+    with caplog.at_level("WARNING", logger="asyncgrpo.vllm.backend"):
+        backend = VLLMBackend(cfg.model_copy(update={"base_url": "http://10.1.2.3:8000"}))
+        run(backend.close())
+    assert backend.server is None  # attached: nothing is launched
+    assert "engine.base_url http://10.1.2.3:8000 is not a loopback address" in caplog.text
+    assert EXPOSED in caplog.text and "replace its weights" in caplog.text

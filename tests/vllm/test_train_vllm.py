@@ -116,6 +116,8 @@ def test_a_vllm_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_repea
     accounting = json.loads((run_dir / "accounting.json").read_text())
     assert accounting["engine_restarts"] == 1
     assert accounting["consumed"] == 6 * 2
+    # the restart re-queued the work in flight: no group was lost to the dead server
+    assert "generation_error" not in accounting["failures"], accounting
     assert accounting["admitted"] == (
         accounting["consumed"]
         + sum(accounting["dropped"].values())

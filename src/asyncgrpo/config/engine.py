@@ -142,6 +142,13 @@ class EngineConfig(Section):
             )
         if self.weight_transport == "nccl" and self.type != "vllm":
             raise ValueError("weight_transport nccl: only with type vllm (on GPUs)")
+        if self.type == "vllm" and self.base_url and self.replicas > 1:
+            raise ValueError(
+                f"replicas {self.replicas} with base_url: an attached vLLM server is one "
+                "replica, and several backends on it would collide in its weight syncs; "
+                "attaching to several servers is not supported, so set replicas: 1, or leave "
+                "base_url unset to have asyncgrpo launch the replicas"
+            )
         if self.type == "vllm" and not self.allow_unauthenticated_vllm:
             if not is_loopback(self.vllm_host):
                 raise ValueError(

@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from asyncgrpo.config import ConfigError, EngineConfig
+from asyncgrpo.config.engine import is_loopback
 from asyncgrpo.engine.process import free_port
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,17 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _warn_if_exposed(host: str) -> None:
+    """Say why a non-loopback `engine.vllm_host` (allowed only by opt-in) is a risk."""
+    if not is_loopback(host):
+        logger.warning(
+            "engine.vllm_host %s is not a loopback address (allow_unauthenticated_vllm): "
+            "vLLM's pause and weight-update routes have no authentication, so anyone who "
+            "reaches that address can pause the server or replace its weights",
+            host,
+        )
+
+
 def _url_host(host: str) -> str:
     if host in ("0.0.0.0", "::", ""):
         return "127.0.0.1"
@@ -121,6 +133,7 @@ class VLLMServer:
         self.extra_env: dict[str, str] = dict(cfg.vllm_env)  # for the server only
         self._proc: subprocess.Popen | None = None
         self._log = None
+        _warn_if_exposed(cfg.vllm_host)
 
     @property
     def base_url(self) -> str:
