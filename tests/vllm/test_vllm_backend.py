@@ -222,6 +222,83 @@ def test_sync_mid_generation_splits_versions_at_the_reported_boundary(smollm2, l
     assert versions.index(start + 1) == spans[0]["end"] == spans[1]["start"] > 0
 
 
+class RunToMaxTokens:
+    """The backend's client, every sample running to `max_tokens` (room for the sync to
+    land in, wherever the model would end)."""
+
+    def __init__(self, client):
+        self.client = client
+
+    async def complete(self, prompt_ids, **sampling):
+        return await self.client.complete(prompt_ids, ignore_eos=True, **sampling)
+
+
+class IndexRewards:
+    names = ["index"]  # one reward function: each completion's position
+
+    async def score_group(self, row, texts, ids) -> list[list[float]]:
+        return [[float(i) for i in range(len(texts))]]
+
+
+def test_a_split_completion_reaches_the_trainers_batch_with_its_versions(smollm2, loop):
+    """The single-turn builder turns the split samples into rollouts; the trainer's batch
+    carries each token's version and its staleness metric ages each part by its own."""
+    from transformers import AutoTokenizer
+
+    from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
+    from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
+    from asyncgrpo.testing import build_tiny_llama
+    from asyncgrpo.trainer.loop import PolicyTrainer
+
+    backend, model_dir = smollm2
+    state = bf16_state(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    sampling = SamplingSettings(n=2, max_tokens=LONG, temperature=1.0)  # vLLM: greedy needs n=1
+    builder = SingleTurnBuilder(
+        RunToMaxTokens(backend.client), tokenizer, IndexRewards(), sampling, AdvantageConfig()
+    )
+    responses = []
+
+    async def keep_body(response):
+        if response.url.path == GENERATE_PATH:
+            await response.aread()
+            responses.append(response.json())
+
+    async def scenario():
+        start = await backend.client.weight_version()
+        new = {k: v * 1.01 for k, v in state.items()}
+        backend.client._http.event_hooks["response"].append(keep_body)
+        try:
+            row = {"prompt": "Count from one to a thousand."}
+            task = await start_generating(backend, LONG, builder.build(0, 0, row))
+            await backend.sync_weights(new.items(), start + 1, "keep")
+            group = await task
+        finally:
+            backend.client._http.event_hooks["response"].remove(keep_body)
+        return start, group
+
+    start, group = loop.run(scenario())
+    choices = responses[-1]["choices"]
+    boundaries = [c["weight_versions"][0]["end"] for c in choices]
+    assert len(group.rollouts) == 2 and all(0 < b < LONG for b in boundaries), boundaries
+    trainer = PolicyTrainer(
+        build_tiny_llama(len(tokenizer), max_position_embeddings=2048),
+        TrainerConfig(bf16_autocast=False),
+        LossConfig(),
+        AdvantageConfig(),
+        max_steps=10,
+    )
+    trainer.version = start + 2  # one step past the weights the sync sent
+    batch = trainer.prepare([group])  # what `PolicyTrainer.step` runs, step by step
+    for rollout, b in zip(batch.rollouts, boundaries, strict=True):
+        assert rollout.versions == [start] * b + [start + 1] * (LONG - b)
+    metrics = trainer.step_metrics(batch, trainer.accumulate(batch), trainer.update(), 1.0)
+    # ages: b tokens 2 steps behind and LONG - b one step behind, in each completion
+    mean = sum(2 * b + (LONG - b) for b in boundaries) / (2 * LONG)
+    assert metrics["token_staleness_mean"] == pytest.approx(mean)
+    assert metrics["token_staleness_max"] == 2
+
+
 # ---- pause modes, the same checks on both engines ------------------------------------
 
 
@@ -251,11 +328,12 @@ def engine(request):
     return backend, state, LONG
 
 
-async def start_generating(backend, max_tokens: int) -> asyncio.Task:
-    """A greedy request of `max_tokens` through the backend's client, returned once it is
-    generating: a streamed probe request sent after it has received some tokens (one batch
-    decodes both; a loaded machine delays the probe's chunks, never the order)."""
-    task = asyncio.ensure_future(greedy_completion(backend, max_tokens))
+async def start_generating(backend, max_tokens: int, request=None) -> asyncio.Task:
+    """A greedy request of `max_tokens` through the backend's client (or `request`, a
+    coroutine that makes one), returned once it is generating: a streamed probe request
+    sent after it has received some tokens (one batch decodes both; a loaded machine
+    delays the probe's chunks, never the order)."""
+    task = asyncio.ensure_future(request or greedy_completion(backend, max_tokens))
     await asyncio.sleep(0.05)  # let the request go out first
     probe = asyncio.ensure_future(stream_until_tokens(backend, 5))
     try:
