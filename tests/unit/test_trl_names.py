@@ -51,6 +51,18 @@ def fresh_notes(monkeypatch):
             "engine.base_url",
             "http://h:8000",
         ),
+        ({"use_vllm": True, "vllm_mode": "server"}, "engine.base_url", "http://127.0.0.1:8000"),
+        (
+            {"use_vllm": True, "vllm_mode": "server", "vllm_server_port": 9000},
+            "engine.base_url",
+            "http://127.0.0.1:9000",
+        ),
+        (
+            {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": "10.1.2.3"},
+            "engine.base_url",
+            "http://10.1.2.3:8000",
+        ),
+        ({"use_vllm": True}, "engine.base_url", None),
         ({"report_to": "none"}, "report_to", []),
         ({"report_to": "tensorboard"}, "report_to", ["tensorboard"]),
         ({"scale_rewards": False}, "advantage.scale_rewards", "none"),

@@ -141,10 +141,22 @@ def _neutral(name: str, neutral: tuple, what: str) -> Rule:
 def _use_vllm(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
     if not value:
         return {}, None
-    note = None
     if ctx.get("vllm_mode", "colocate") == "colocate":
         note = "use_vllm: vLLM runs as a server process asyncgrpo launches (engine.type vllm)"
-    return {"engine.type": "vllm"}, note
+        return {"engine.type": "vllm"}, note
+    return {"engine.type": "vllm", "engine.base_url": _server_url(ctx)}, (
+        "vllm_mode server: attaches to a vLLM server started as README 'Training with vLLM' "
+        "says (TRL's `trl vllm-serve` has other routes)"
+    )
+
+
+def _server_url(ctx: Ctx) -> str:
+    """TRL's server address: the base URL, else host and port (0.0.0.0:8000 by default)."""
+    if ctx.get("vllm_server_base_url"):
+        return ctx["vllm_server_base_url"]
+    host = ctx.get("vllm_server_host", "0.0.0.0")
+    host = "127.0.0.1" if host in ("0.0.0.0", "", None) else host  # TRL connects to this host
+    return f"http://{host}:{ctx.get('vllm_server_port', 8000)}"
 
 
 def _vllm_mode(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
@@ -153,8 +165,8 @@ def _vllm_mode(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
     return {}, None  # read by use_vllm
 
 
-def _vllm_url(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
-    return ({"engine.base_url": value} if ctx.get("use_vllm") else {}), None
+def _read_by_use_vllm(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
+    return {}, None  # vllm_server_base_url / _host / _port: the server mode's address
 
 
 def _report_to(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
@@ -191,7 +203,9 @@ TRL_RULES: dict[str, Rule] = {
     "run_name": _same("name"),
     "use_vllm": _use_vllm,
     "vllm_mode": _vllm_mode,
-    "vllm_server_base_url": _vllm_url,
+    "vllm_server_base_url": _read_by_use_vllm,
+    "vllm_server_host": _read_by_use_vllm,
+    "vllm_server_port": _read_by_use_vllm,
     "report_to": _report_to,
     "scale_rewards": _scale_rewards,
     "top_k": _neutral("top_k", (0, -1, None), "0 (disabled, TRL's default)"),
