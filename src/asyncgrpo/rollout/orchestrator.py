@@ -153,7 +153,6 @@ class Orchestrator:
         self.filter_zero_variance = filter_zero_variance
         self.on_reward_error = on_reward_error
         self._limit = asyncio.Semaphore(max_concurrent_groups) if max_concurrent_groups else None
-        self._next_group_id = 0
         self._tasks: set[asyncio.Task] = set()
         self._building: dict[int, float] = {}  # group id -> when it was started
         self._stopping = False
@@ -183,9 +182,12 @@ class Orchestrator:
         return [(group_id, now - t) for group_id, t in started]
 
     def start_group(self, position: int, row: dict) -> None:
-        """Build the group of `row` in a task of its own (the buffer admitted it)."""
-        group_id = self._next_group_id
-        self._next_group_id += 1
+        """Build the group of `row` in a task of its own (the buffer admitted it).
+
+        Its id is its prompt-stream position: unique over the whole run, resumed sessions
+        included, and a row that a resume serves again keeps the id (so the sampling seed)
+        of its untrained first dispatch, as an uninterrupted run would sample it."""
+        group_id = position
         task = asyncio.create_task(self._run_group(group_id, position, row))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

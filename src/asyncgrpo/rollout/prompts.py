@@ -3,8 +3,8 @@
 Rows are served in a seeded per-epoch order. The position that a checkpoint
 saves is the dispatch cursor plus the rows dispatched but not yet trained on
 (in flight or queued): resuming serves those again first, so a crash neither
-skips nor repeats training data. Group ids count up for the whole run, so they
-never repeat across epochs.
+skips nor repeats training data. A group's id is its position (`Orchestrator`), so
+ids never repeat across epochs or resumed sessions.
 """
 
 from __future__ import annotations
