@@ -9,7 +9,7 @@ one-process `PolicyTrainer` on the same batches. Batches have groups of differen
 lengths and a micro-batch budget small enough that ranks run different numbers of
 micro-batches. Also here: a checkpoint restores into a sharded trainer exactly, and
 `asyncgrpo train` runs with 2 ranks (started by rank 0, or by torchrun), survives
-kill -9 of a rank and resumes.
+kill -9 of a rank and resumes, and stops within the collective timeout when a rank hangs.
 """
 
 from __future__ import annotations
@@ -361,3 +361,58 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_hung_rank_stops_the_job_within_the_collective_timeout(
+    tmp_path, tiny_model_dir, strategy
+):
+    """A rank that is alive but stuck (SIGSTOP) is not noticed by polling its process:
+    the collective timeout ends the wait. The job exits 1 within the timeout and a margin,
+    names the stuck rank and the timeout, and leaves no process behind (rank 0 kills the
+    stopped rank). The timeout also bounds rank 1's start-up (imports, model load): 15 s
+    was too short for it beside a busy CI run on this 2-core machine."""
+    timeout = 30
+    recipe = write_recipe(
+        tmp_path,
+        tiny_model_dir,
+        "dp-hang",
+        max_steps=1000,
+        **{
+            "trainer.num_processes": 2,
+            "trainer.collective_timeout_s": timeout,
+            "trainer.strategy": strategy,
+        },
+    )
+    run_dir, log = tmp_path / "dp-hang", tmp_path / "dp-hang.log"
+    proc = start_cli(str(recipe), log=log)
+    rank = None
+    try:
+        wait_for(lambda: checkpoint_step(run_dir) >= 2, 240, proc, log)
+        assert [r["version"] for r in train_rows(run_dir)][:2] == [1, 2]
+        children = descendants(proc.pid)
+        ranks = [p for p in children if "asyncgrpo.trainer.follower" in cmdline(p)]
+        assert len(ranks) == 1, [cmdline(p) for p in children]
+        rank = ranks[0]
+        os.kill(rank, signal.SIGSTOP)
+        stopped = time.monotonic()
+        code = proc.wait(timeout=timeout + 60)
+        elapsed = time.monotonic() - stopped
+        text = log.read_text()
+        assert code == 1, text[-3000:]
+        # one timeout, plus a step's generation and the engine's shutdown
+        assert elapsed < timeout + 30, (elapsed, text[-3000:])
+        assert (
+            "run aborted: trainer rank 1 did not finish its work within "
+            f"trainer.collective_timeout_s ({timeout} s) and did not exit"
+        ) in text, text[-3000:]
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{p}").exists() for p in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [cmdline(p) for p in children if Path(f"/proc/{p}").exists()]
+        assert not left, f"a process was left behind: {left}"
+    finally:
+        proc.kill()
+        if rank is not None and "asyncgrpo.trainer.follower" in cmdline(rank):
+            os.kill(rank, signal.SIGKILL)
+            os.kill(rank, signal.SIGCONT)

@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from asyncgrpo.engine.process import free_port
 
 BUCKET_BYTES = 32 << 20  # gradients are all-reduced this many bytes at a time
 READY_POLL_S = 0.5
+
+_collective_thread: threading.Thread | None = None  # the thread that joined the group
 
 
 class TrainerFailed(RuntimeError):
@@ -101,6 +104,22 @@ def _join(store: dist.Store, rank: int, size: int, timeout_s: float) -> None:
         world_size=size,
         timeout=timedelta(seconds=timeout_s),
     )
+    global _collective_thread
+    _collective_thread = threading.current_thread()
+
+
+def require_collective_thread(what: str) -> None:
+    """Raise unless this is the thread that joined the process group (the main thread
+    before one is joined). Every rank must issue its collectives in one order, from one
+    thread: one on a background thread can deadlock the ranks (REFERENCE.md, bug 11)."""
+    owner = _collective_thread or threading.main_thread()
+    here = threading.current_thread()
+    if here is not owner:
+        raise RuntimeError(
+            f"{what} is a collective and must run on thread {owner.name!r}, which joined "
+            f"the trainer's process group, not on {here.name!r}: a collective on a "
+            "background thread can deadlock the ranks"
+        )
 
 
 def start_world(
@@ -226,13 +245,16 @@ def stop_spawned(world: World, grace_s: float = 10.0) -> None:
 
 
 def leave(world: World) -> None:
+    global _collective_thread
     if dist.is_initialized():
         dist.destroy_process_group()
+    _collective_thread = None
 
 
 def all_reduce_gradients(params: list[torch.nn.Parameter], size: int) -> None:
     """Average the gradients of `params` over the ranks, in buckets of `BUCKET_BYTES`.
     A parameter without a gradient on this rank contributes zeros."""
+    require_collective_thread("the gradient all-reduce")
     grads = []
     for p in params:
         if p.grad is None:
@@ -263,6 +285,7 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def broadcast_parameters(model: torch.nn.Module) -> None:
     """Every rank starts from rank 0's weights (a LoRA adapter's random init included)."""
+    require_collective_thread("the parameter broadcast")
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             dist.broadcast(tensor.data, src=0)

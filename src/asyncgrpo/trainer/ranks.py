@@ -6,17 +6,20 @@ advantages over the whole batch, shares the groups out by tokens (`distributed.s
 and posts each rank its share through the store; then every rank, on its main thread,
 runs its micro-batches and joins the one gradient all-reduce, and all take the same
 optimizer step. The other ranks only ever wait for the next command (`serve`), so no
-collective runs on a background thread and none waits while rank 0 waits for a batch.
+collective runs on a background thread (`require_collective_thread` refuses one) and
+none waits while rank 0 waits for a batch.
 
 Every rank holds the same weights and optimizer state, so rank 0 alone publishes
 weights and writes checkpoints (the format of one process, which therefore resumes on
 any number of ranks); a resume tells each rank which checkpoint to read.
 
 A rank that dies is noticed before the next command (rank 0 started it and polls it)
-or in the all-reduce (gloo reports the closed connection; a hung rank hits
-`trainer.collective_timeout_s`): rank 0 raises `TrainerFailed`, the run stops without a
-checkpoint of the broken step, and `--resume` continues from the last one. Ranks
-waiting for a command leave when rank 0's store goes away.
+or in the all-reduce (gloo reports the closed connection). A rank that hangs is noticed
+when a collective or a reply waits past `trainer.collective_timeout_s`; rank 0 then
+names the ranks that did not finish the last command. Either way rank 0 raises
+`TrainerFailed`, the run stops without a checkpoint of the broken step, and `--resume`
+continues from the last one. Ranks waiting for a command leave when rank 0's store goes
+away.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from asyncgrpo.trainer.distributed import (
     decode,
     encode,
     leave,
+    require_collective_thread,
     share,
     stop_spawned,
 )
@@ -91,6 +95,21 @@ class Channel:
 
     def reply(self, number: int, message: dict) -> None:
         self.world.store.set(f"reply/{number}/{self.world.rank}", encode(message))
+
+    def finished(self, number: int) -> None:
+        """This rank carried out command `number` (`unfinished` on rank 0 reads it)."""
+        self.world.store.set(f"finished/{self.world.rank}", str(number))
+
+    def unfinished(self) -> list[int]:
+        """The ranks that have not carried out the last command posted (they hang, or
+        wait in a collective with one that does)."""
+        ranks = []
+        for rank in range(1, self.world.size):
+            key = f"finished/{rank}"
+            done = int(self.world.store.get(key)) if self.world.store.check([key]) else -1
+            if done < self.sent - 1:
+                ranks.append(rank)
+        return ranks
 
 
 class DataParallelTrainer:
@@ -159,14 +178,33 @@ class DataParallelTrainer:
         return self.channel.post(messages)
 
     def _collective(self, work):
+        require_collective_thread("a data-parallel trainer step")
         try:
             return work()
         except dist.DistError as exc:
-            self._fail(self.world.dead_rank(wait_s=5.0) or f"a trainer rank failed: {exc}")
+            self._fail(self._failure(exc))
         except RuntimeError as exc:  # gloo reports a lost peer as a plain RuntimeError
             if "gloo" not in str(exc).lower() and "connection" not in str(exc).lower():
                 raise
-            self._fail(self.world.dead_rank(wait_s=5.0) or f"a trainer rank failed: {exc}")
+            self._fail(self._failure(exc))
+
+    def _failure(self, exc: Exception) -> str:
+        """Why a collective failed: a rank that exited, else (a timeout) the ranks that
+        did not finish the last command."""
+        dead = self.world.dead_rank(wait_s=5.0)
+        if dead:
+            return dead
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            return f"a trainer rank failed: {exc}"
+        try:
+            stuck = self.channel.unfinished()
+        except dist.DistError:
+            stuck = []
+        who = ", ".join(f"trainer rank {rank}" for rank in stuck) or "a trainer rank"
+        return (
+            f"{who} did not finish its work within trainer.collective_timeout_s "
+            f"({self.world.timeout_s:g} s) and did not exit: it hangs or is stopped ({exc})"
+        )
 
     def _fail(self, reason: str):
         self.failed = True
@@ -196,6 +234,7 @@ def gather_weights(core: PolicyTrainer, dtype) -> list:
 
 def serve(core: PolicyTrainer, world: World, sharded: bool) -> None:
     """Ranks 1..N-1: carry out rank 0's commands until told to stop."""
+    require_collective_thread("a trainer rank's command loop")
     channel = Channel(world)
     set_up_rank(core, world, sharded)
     while True:
@@ -216,6 +255,7 @@ def serve(core: PolicyTrainer, world: World, sharded: bool) -> None:
             checkpoint_tensors(core.model, core.optimizer)
         else:
             raise ValueError(f"unknown trainer command {op!r}")
+        channel.finished(number)
 
 
 def _dtype(name: str):

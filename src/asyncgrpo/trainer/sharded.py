@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from asyncgrpo.trainer.distributed import require_collective_thread
 from asyncgrpo.trainer.packing import run_packed
 
 
@@ -69,6 +70,7 @@ def shard_trainer(core, size: int) -> None:
     """Shard a `PolicyTrainer`'s model (and frozen reference) over `size` ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    require_collective_thread("sharding the model")
     device = next(core.model.parameters()).device.type
     mesh = init_device_mesh(device, (size,))
     core.runner = shard_module(core.model, mesh)
@@ -83,7 +85,10 @@ def shard_trainer(core, size: int) -> None:
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a shard (an all-gather: every rank must call it); others as is."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    if not hasattr(tensor, "full_tensor"):
+        return tensor
+    require_collective_thread("gathering a sharded tensor")
+    return tensor.full_tensor()
 
 
 def like(template: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
