@@ -284,6 +284,31 @@ def test_a_missing_vllm_environment_is_a_clear_error(tmp_path, monkeypatch):
         VLLMServer(cfg.model_copy(update={"vllm_python": None}))
 
 
+def test_launched_replicas_get_cpu_cores_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    cfg = EngineConfig(type="vllm", model=str(tmp_path), vllm_python="/bin/sh", replicas=2)
+    binds = [VLLMServer(cfg, replica=i).env()["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)]
+    assert binds == ["0,1", "2,3"]
+    three = cfg.model_copy(update={"replicas": 3})  # fewer cores than 2 each: one each
+    assert [VLLMServer(three, replica=i).env()["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1, 2)] == [
+        "0",
+        "1",
+        "2",
+    ]
+    # one server, or one not launched among several here: vLLM's own binding
+    assert (
+        "VLLM_CPU_OMP_THREADS_BIND"
+        not in VLLMServer(cfg.model_copy(update={"replicas": 1}), replica=0).env()
+    )
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in VLLMServer(cfg).env()
+    # the user's binding wins, from the recipe or the environment
+    mine = cfg.model_copy(update={"vllm_env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}})
+    assert VLLMServer(mine, replica=1).env()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3")
+    assert VLLMServer(cfg, replica=0).env()["VLLM_CPU_OMP_THREADS_BIND"] == "3"
+
+
 # ---- a server that others can reach --------------------------------------------------
 
 EXPOSED = "vLLM's pause and weight-update routes have no authentication"

