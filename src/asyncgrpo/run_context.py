@@ -292,7 +292,8 @@ class RunContext:
 
 
 async def record_engine_busy(client: Any, tracker: Any, period: float = 0.5) -> None:
-    """Turn the engine's cumulative busy seconds into timeline intervals."""
+    """Turn the engine's cumulative busy seconds into timeline intervals. An engine that
+    does not report them (vLLM) leaves `engine_busy_ratio` NaN rather than 0."""
     last_busy, last_t = None, tracker.elapsed()
     while True:
         await asyncio.sleep(period)
@@ -300,7 +301,10 @@ async def record_engine_busy(client: Any, tracker: Any, period: float = 0.5) -> 
             stats = (await client.server_info()).get("stats", {})
         except Exception:
             continue
-        busy, now = float(stats.get("busy_seconds", 0.0)), tracker.elapsed()
+        if "busy_seconds" not in stats:
+            tracker.timeline.engine_reports_busy = False
+            return
+        busy, now = float(stats["busy_seconds"]), tracker.elapsed()
         if last_busy is not None and busy > last_busy:
             # the busy part of the window, placed at its end
             tracker.timeline.record("engine", max(last_t, now - (busy - last_busy)), now)

@@ -222,6 +222,46 @@ def test_timeline_concurrent_spans_merge_and_open_spans_are_cut():
         timeline.end("engine")
 
 
+class ServerInfo:
+    """A client whose `server_info` reports `stats` (or none, as vLLM's)."""
+
+    def __init__(self, stats):
+        self.stats, self.calls = stats, 0
+
+    async def server_info(self):
+        self.calls += 1
+        info = {"weight_version": 0}
+        if self.stats is not None:
+            info["stats"] = {"busy_seconds": self.stats * self.calls}  # busy all the time
+        return info
+
+
+@pytest.mark.parametrize("reports", [True, False])
+def test_engine_busy_is_unknown_not_zero_when_the_engine_does_not_report_it(reports):
+    import asyncio
+    from types import SimpleNamespace
+
+    from asyncgrpo.run_context import record_engine_busy
+
+    clock = FakeClock()
+    tracker = SimpleNamespace(timeline=Timeline(clock), elapsed=clock)
+    client = ServerInfo(0.01 if reports else None)
+
+    async def watch():
+        task = asyncio.create_task(record_engine_busy(client, tracker, period=0.01))
+        for _ in range(20):
+            clock.t += 0.01
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(watch())
+    busy = tracker.timeline.ratios(0.0)["engine_busy_ratio"]
+    if reports:
+        assert busy > 0
+    else:
+        assert math.isnan(busy) and client.calls == 1  # asked once, then left alone
+
+
 def test_tracker_span_writes_timeline(tmp_path):
     with MetricsTracker(tmp_path) as tracker:
         with tracker.span("trainer"):

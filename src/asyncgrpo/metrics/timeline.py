@@ -103,6 +103,7 @@ class Timeline:
         self._lock = threading.Lock()
         self._open: dict[str, tuple[int, float]] = {}  # role -> (open span count, busy since)
         self._intervals: list[Interval] = []  # recent closed intervals, pruned by ratios()
+        self.engine_reports_busy = True  # False: the engine (vLLM) does not say when it works
 
     @contextlib.contextmanager
     def span(self, role: str) -> Iterator[None]:
@@ -150,7 +151,9 @@ class Timeline:
         t1 = now if until_s is None else until_s
         return {
             "trainer_idle_ratio": trainer_idle_ratio(intervals, since_s, t1),
-            "engine_busy_ratio": engine_busy_ratio(intervals, since_s, t1),
+            "engine_busy_ratio": engine_busy_ratio(intervals, since_s, t1)
+            if self.engine_reports_busy
+            else math.nan,  # unknown, not idle
         }
 
     def rebase(self, move_clock: Callable[[], float]) -> None:
