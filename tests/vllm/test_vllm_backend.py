@@ -190,8 +190,9 @@ def test_a_server_that_cannot_start_fails_fast_quoting_its_log(
 LONG = 400  # tokens: ~16 s of SmolLM2 on this CPU, room for a sync on a faster one
 
 
-def test_sync_mid_generation_splits_versions_at_the_reported_boundary(smollm2, loop):
-    backend, model_dir = smollm2
+def sync_while_generating(backend, model_dir, loop, request=None):
+    """Start a LONG request (`start_generating`), sync scaled weights (version + 1) into
+    it; returns (the version before, the request's result, the generate route's last body)."""
     state = bf16_state(model_dir)
     responses = []
 
@@ -206,18 +207,25 @@ def test_sync_mid_generation_splits_versions_at_the_reported_boundary(smollm2, l
         new = {k: v * 1.01 for k, v in state.items()}
         backend.client._http.event_hooks["response"].append(keep_body)
         try:
-            task = await start_generating(backend, LONG)
+            task = await start_generating(backend, LONG, request)
             await backend.sync_weights(new.items(), start + 1, "keep")
-            sample = (await task).samples[0]
+            result = await task
         finally:
             backend.client._http.event_hooks["response"].remove(keep_body)
-        return start, sample
+        return start, result
 
-    start, sample = loop.run(scenario())
+    start, result = loop.run(scenario())
+    return start, result, responses[-1]
+
+
+def test_sync_mid_generation_splits_versions_at_the_reported_boundary(smollm2, loop):
+    backend, model_dir = smollm2
+    start, completion, body = sync_while_generating(backend, model_dir, loop)
+    sample = completion.samples[0]
     versions = sample.weight_versions
     assert len(versions) == LONG and sample.finish_reason == "length"
     assert versions == sorted(versions) and set(versions) == {start, start + 1}
-    spans = responses[-1]["choices"][0]["weight_versions"]
+    spans = body["choices"][0]["weight_versions"]
     assert [s["version"] for s in spans] == [str(start) if start else "default", str(start + 1)]
     assert versions.index(start + 1) == spans[0]["end"] == spans[1]["start"] > 0
 
@@ -251,35 +259,14 @@ def test_a_split_completion_reaches_the_trainers_batch_with_its_versions(smollm2
     from asyncgrpo.trainer.loop import PolicyTrainer
 
     backend, model_dir = smollm2
-    state = bf16_state(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sampling = SamplingSettings(n=2, max_tokens=LONG, temperature=1.0)  # vLLM: greedy needs n=1
     builder = SingleTurnBuilder(
         RunToMaxTokens(backend.client), tokenizer, IndexRewards(), sampling, AdvantageConfig()
     )
-    responses = []
-
-    async def keep_body(response):
-        if response.url.path == GENERATE_PATH:
-            await response.aread()
-            responses.append(response.json())
-
-    async def scenario():
-        start = await backend.client.weight_version()
-        new = {k: v * 1.01 for k, v in state.items()}
-        backend.client._http.event_hooks["response"].append(keep_body)
-        try:
-            row = {"prompt": "Count from one to a thousand."}
-            task = await start_generating(backend, LONG, builder.build(0, 0, row))
-            await backend.sync_weights(new.items(), start + 1, "keep")
-            group = await task
-        finally:
-            backend.client._http.event_hooks["response"].remove(keep_body)
-        return start, group
-
-    start, group = loop.run(scenario())
-    choices = responses[-1]["choices"]
-    boundaries = [c["weight_versions"][0]["end"] for c in choices]
+    row = {"prompt": "Count from one to a thousand."}
+    start, group, body = sync_while_generating(backend, model_dir, loop, builder.build(0, 0, row))
+    boundaries = [c["weight_versions"][0]["end"] for c in body["choices"]]
     assert len(group.rollouts) == 2 and all(0 < b < LONG for b in boundaries), boundaries
     trainer = PolicyTrainer(
         build_tiny_llama(len(tokenizer), max_position_embeddings=2048),
