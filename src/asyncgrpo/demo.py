@@ -126,7 +126,7 @@ def _serve_demo(args: argparse.Namespace, model_dir: str) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        proc.stop()
+        proc.close()
     return 0
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -340,3 +342,88 @@ def test_an_attached_server_on_a_non_loopback_address_is_warned_about(tmp_path, 
     assert backend.server is None  # attached: nothing is launched
     assert "engine.base_url http://10.1.2.3:8000 is not a loopback address" in caplog.text
     assert EXPOSED in caplog.text and "replace its weights" in caplog.text
+
+
+# ---- a restart whose start-up hangs --------------------------------------------------
+
+# Stands in for `python -m vllm.entrypoints.openai.api_server`: the starts listed in
+# HANG (1-based, counted in a file) never answer, the others serve what `wait_ready` asks.
+STAND_IN = """#!{python}
+import http.server, json, pathlib, sys, time
+count = pathlib.Path({count!r})
+start = int(count.read_text() or 0) + 1 if count.exists() else 1
+count.write_text(str(start))
+if start in {hang}:
+    time.sleep(600)
+class Handler(http.server.BaseHTTPRequestHandler):
+    def answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        self.answer({{"data": [{{"max_model_len": 64}}]}} if self.path == "/v1/models" else {{}})
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.answer({{"choices": []}})
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def stand_in_server(tmp_path, hang: set[int]) -> VLLMServer:
+    script = tmp_path / "python"
+    script.write_text(
+        STAND_IN.format(python=sys.executable, count=str(tmp_path / "starts"), hang=hang)
+    )
+    script.chmod(0o755)
+    cfg = EngineConfig(type="vllm", model=str(tmp_path), vllm_python=str(script))
+    return VLLMServer(cfg, log_path=tmp_path / "vllm.log")
+
+
+def starts(tmp_path) -> int:
+    return int((tmp_path / "starts").read_text())
+
+
+def running(tmp_path) -> list[int]:
+    """Pids of stand-ins still running (a stopped start must leave none behind)."""
+    script = str(tmp_path / "python").encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and script in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_restart_that_hangs_in_start_up_is_stopped_and_tried_once_more(tmp_path, caplog):
+    server = stand_in_server(tmp_path, hang={2})
+    try:
+        server.start()
+        server.wait_ready(30)
+        with caplog.at_level("WARNING", logger="asyncgrpo.vllm.launcher"):
+            server.restart(timeout=3)  # start 2 hangs, start 3 answers
+        assert starts(tmp_path) == 3 and server.restarts == 1 and server.alive()
+        assert running(tmp_path) == [server.pid]  # the hung start was stopped
+        assert "restarting vLLM failed (vLLM did not become healthy" in caplog.text
+        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+    finally:
+        server.close()
+    assert running(tmp_path) == []
+
+
+def test_a_restart_that_never_comes_up_fails_and_leaves_nothing_running(tmp_path):
+    server = stand_in_server(tmp_path, hang={2, 3})
+    try:
+        server.start()
+        server.wait_ready(30)
+        with pytest.raises(VLLMServerError, match="did not become healthy"):
+            server.restart(timeout=2)
+        assert starts(tmp_path) == 3 and not server.alive() and running(tmp_path) == []
+    finally:
+        server.close()
+    with pytest.raises(VLLMServerError, match="closed for good"):
+        server.start()  # as a replica's restart after the run's close

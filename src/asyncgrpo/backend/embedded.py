@@ -106,4 +106,4 @@ class EmbeddedBackend:
             await asyncio.wait_for(self.transport.close(), 5)
             await asyncio.wait_for(self.client.aclose(), 5)
         finally:
-            await asyncio.to_thread(self.process.stop)
+            await asyncio.to_thread(self.process.close)

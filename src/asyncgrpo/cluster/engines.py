@@ -87,7 +87,7 @@ class EngineActor:
             time.sleep(EXIT_POLL_S)
 
     def stop(self) -> None:
-        self.server.stop()
+        self.server.close()  # a `revive` running on another of its threads fails
 
 
 REAPER = """
@@ -181,6 +181,10 @@ class ActorProcess:
         """End the actor abruptly (a stalled server): Ray starts a new one."""
         if self._actor is not None:
             self.cluster.ray.kill(self._actor, no_restart=False)
+
+    def close(self) -> None:
+        """Stop for good (the actor is killed: a restart in progress fails with it)."""
+        self.stop()
 
     def stop(self, timeout: float = 30.0) -> None:
         if self._actor is None:

