@@ -63,6 +63,14 @@ def test_a_truncated_completion_counts_in_the_advantages_but_not_in_the_loss_cou
     assert off.advantages.tolist() == pytest.approx(batch.advantages.tolist())
 
 
+def test_a_truncated_completion_still_counts_in_the_completion_length():
+    # A's 2 tokens, B's 3 (cut off, no loss), C's 1: (2 + 3 + 1) / 3 = 2 either way
+    for mask in (True, False):
+        t = trainer(mask)
+        metrics = t.step([group([5, 6, 7])])
+        assert metrics["completion_len_mean"] == pytest.approx(2.0), mask
+
+
 def gradients(mask: bool, truncated_ids: list[int], aggregation: str) -> tuple[dict, float]:
     """The gradients of one step's loss (no optimizer step) and its loss tokens."""
     t = trainer(mask, aggregation)

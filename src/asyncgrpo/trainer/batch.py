@@ -25,6 +25,7 @@ class Prepared:
     group_of: list[int]  # the group id of each rollout
     counts: dict[str, float]  # whole-step counts (losses.LossInputs fields)
     micro_batches: int = 0  # run at least this many (sharded ranks must match forwards)
+    sampled_tokens: int = 0  # what the engine sampled, loss-masked samples included (metrics)
 
     def groups(self) -> list[list[int]]:
         """Rollout indices of each group, groups in order of appearance."""

@@ -151,6 +151,7 @@ class PolicyTrainer:
         count in their group's advantages, then are left out of the loss and the counts."""
         advantages = self.advantages(groups)  # over every sample, truncated ones included
         rollouts = [r for g in groups for r in g.rollouts]
+        sampled_tokens = sum(r.num_sampled for r in rollouts)
         truncated_out = self.loss_cfg.mask_truncated_completions
         masked = [truncated_out and r.finish_reason == "length" for r in rollouts]
         rollouts = [without_loss(r) if m else r for r, m in zip(rollouts, masked, strict=True)]
@@ -164,7 +165,7 @@ class PolicyTrainer:
             dp_world_size=self.dp_world_size,
         )
         group_of = [g.group_id for g in groups for _ in g.rollouts]
-        return Prepared(rollouts, advantages, group_of, counts)
+        return Prepared(rollouts, advantages, group_of, counts, sampled_tokens=sampled_tokens)
 
     def accumulate(self, batch: Prepared) -> StepTotals:
         """Forward and backward over `batch` in packed micro-batches; gradients accumulate."""
@@ -211,7 +212,7 @@ class PolicyTrainer:
             grad_norm=grad_norm,
             learning_rate=self.scheduler.get_last_lr()[0],
             **batch_metrics(rollouts, batch.advantages, started_at),
-            completion_len_mean=sum(r.num_sampled for r in rollouts) / len(rollouts),
+            completion_len_mean=batch.sampled_tokens / len(rollouts),
             train_tokens_per_s=sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
             / elapsed,
             train_step_s=elapsed,
