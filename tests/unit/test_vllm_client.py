@@ -363,7 +363,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
     def do_GET(self):
-        self.answer({{"data": [{{"max_model_len": 64}}]}} if self.path == "/v1/models" else {{}})
+        self.answer({{}})
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         self.answer({{"choices": []}})

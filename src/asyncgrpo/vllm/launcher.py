@@ -145,7 +145,6 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else None
         self.port = free_port()
         self.restarts = 0
-        self.max_model_len: int | None = None
         self.replica = replica
         self.extra_env: dict[str, str] = dict(cfg.vllm_env)  # for the server only
         self._proc: subprocess.Popen | None = None
@@ -237,13 +236,11 @@ class VLLMServer:
         return self._proc is not None and self._proc.poll() is None
 
     def wait_ready(self, timeout: float) -> None:
-        """Wait for /health, read max_model_len, and send one warm-up request (vLLM's first
-        request is slow: it compiles and allocates), all within `timeout` seconds."""
+        """Wait for /health and send one warm-up request (vLLM's first request is slow: it
+        compiles and allocates), both within `timeout` seconds."""
         deadline = time.monotonic() + timeout
         with httpx.Client(base_url=self.base_url, timeout=10.0) as http:
             self._wait_healthy(http, deadline)
-            models = http.get("/v1/models").raise_for_status().json()["data"]
-            self.max_model_len = models[0].get("max_model_len")
             warm_up = {"token_ids": [0], "sampling_params": {"max_tokens": 2, "temperature": 0}}
             left = max(1.0, deadline - time.monotonic())
             http.post(GENERATE_PATH, json=warm_up, timeout=left).raise_for_status()
