@@ -286,29 +286,34 @@ def test_a_missing_vllm_environment_is_a_clear_error(tmp_path, monkeypatch):
         VLLMServer(cfg.model_copy(update={"vllm_python": None}))
 
 
-def test_launched_replicas_get_cpu_cores_of_their_own(tmp_path, monkeypatch):
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+def test_launched_cpu_servers_are_not_pinned_and_share_the_cores(tmp_path, monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(9)))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the trainer's own setting (torchrun's)
     cfg = EngineConfig(type="vllm", model=str(tmp_path), vllm_python="/bin/sh", replicas=2)
-    binds = [VLLMServer(cfg, replica=i).env()["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1)]
-    assert binds == ["0,1", "2,3"]
-    three = cfg.model_copy(update={"replicas": 3})  # fewer cores than 2 each: one each
-    assert [VLLMServer(three, replica=i).env()["VLLM_CPU_OMP_THREADS_BIND"] for i in (0, 1, 2)] == [
-        "0",
-        "1",
-        "2",
-    ]
-    # one server, or one not launched among several here: vLLM's own binding
-    assert (
-        "VLLM_CPU_OMP_THREADS_BIND"
-        not in VLLMServer(cfg.model_copy(update={"replicas": 1}), replica=0).env()
+
+    def threads(server: VLLMServer) -> tuple[str, str]:
+        env = server.env()
+        return env["VLLM_CPU_OMP_THREADS_BIND"], env["OMP_NUM_THREADS"]
+
+    # 9 cores, one left to the front ends: 8 for one server, 4 each for two, 2 for three
+    assert threads(VLLMServer(cfg.model_copy(update={"replicas": 1}), replica=0)) == (
+        "nobind",
+        "8",
     )
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in VLLMServer(cfg).env()
-    # the user's binding wins, from the recipe or the environment
-    mine = cfg.model_copy(update={"vllm_env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}})
-    assert VLLMServer(mine, replica=1).env()["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3")
-    assert VLLMServer(cfg, replica=0).env()["VLLM_CPU_OMP_THREADS_BIND"] == "3"
+    assert threads(VLLMServer(cfg)) == ("nobind", "8")  # one of several, but not launched here
+    assert [threads(VLLMServer(cfg, replica=i)) for i in (0, 1)] == [("nobind", "4")] * 2
+    three = cfg.model_copy(update={"replicas": 3})
+    assert threads(VLLMServer(three, replica=2)) == ("nobind", "2")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert [threads(VLLMServer(cfg, replica=i)) for i in (0, 1)] == [("nobind", "1")] * 2
+    # the user's settings win, from the recipe or the environment
+    mine = cfg.model_copy(update={"vllm_env": {"OMP_NUM_THREADS": "3"}})
+    assert threads(VLLMServer(mine, replica=1)) == ("nobind", "3")
+    pinned = cfg.model_copy(update={"vllm_env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}})
+    assert threads(VLLMServer(pinned, replica=1)) == ("0-1", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert VLLMServer(cfg, replica=0).env()["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
 
 
 # ---- a server that others can reach --------------------------------------------------

@@ -46,7 +46,7 @@ def replicas(loop, tiny_vllm_model_dir, tmp_path_factory) -> ReplicaBackend:
     cfg = vllm_engine_config(tiny_vllm_model_dir, replicas=2, max_model_len=512)
     backend = make_backend(cfg, tmp_path_factory.mktemp("vllm-replicas"), episodes=True)
     assert isinstance(backend, ReplicaBackend)
-    for member in backend.members:  # each on its own cores (`VLLMServer.env`)
+    for member in backend.members:  # sharing the cores out (`VLLMServer.env`)
         member.server.extra_env.update(TEST_SERVER_ENV)
     backend.launch()  # both load at once
     try:

