@@ -20,13 +20,10 @@ from asyncgrpo.testing import engine_children
 
 @pytest.fixture
 def engine(tiny_model_dir):
-    proc = EngineProcess(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1))
-    proc.start()
-    try:
+    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1)
+    with EngineProcess(cfg) as proc:  # started; closed at the end
         proc.wait_ready(120)
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_a_close_during_a_restart_in_another_thread_leaves_no_engine_running(engine):

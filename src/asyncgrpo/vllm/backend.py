@@ -43,11 +43,10 @@ from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, sync_u
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import EngineUnavailableError, RetryPolicy
 from asyncgrpo.config import ConfigError, EngineConfig
-from asyncgrpo.config.engine import is_loopback
 from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.transport import make_transport
 from asyncgrpo.vllm.client import NO_RETRY, VLLMClient
-from asyncgrpo.vllm.launcher import VLLMServer, weight_backend
+from asyncgrpo.vllm.launcher import VLLMServer, warn_if_exposed, weight_backend
 from asyncgrpo.vllm.lora import AdapterLoader, adapter_or_weights, adapter_root
 
 logger = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ class VLLMBackend:
         )
         self.nccl_address = nccl_address
         if cfg.base_url:
-            _warn_if_exposed(cfg.base_url)
+            warn_if_exposed("engine.base_url", cfg.base_url, urlparse(cfg.base_url).hostname or "")
         self.retry = RetryPolicy(deadline=cfg.startup_timeout_s, max_attempts=1000, max_backoff=2.0)
         url = cfg.base_url or self.server.base_url
         self.client = VLLMClient(url, retry=self.retry, weights_dir=cfg.weights_dir)
@@ -289,14 +288,3 @@ class VLLMBackend:
                 await asyncio.to_thread(self.gateway.close)
             if self.server is not None:
                 await asyncio.to_thread(self.server.close)
-
-
-def _warn_if_exposed(base_url: str) -> None:
-    host = urlparse(base_url).hostname or ""
-    if not is_loopback(host):
-        logger.warning(
-            "engine.base_url %s is not a loopback address: vLLM's pause and weight-update "
-            "routes have no authentication, so anyone who reaches it can pause it or replace "
-            "its weights",
-            base_url,
-        )

@@ -105,14 +105,16 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _warn_if_exposed(host: str) -> None:
-    """Say why a non-loopback `engine.vllm_host` (allowed only by opt-in) is a risk."""
+def warn_if_exposed(setting: str, address: str, host: str) -> None:
+    """Say why a vLLM server at a non-loopback `host` (`setting`'s `address`, allowed only
+    by opt-in for a launched one) is a risk."""
     if not is_loopback(host):
         logger.warning(
-            "engine.vllm_host %s is not a loopback address (allow_unauthenticated_vllm): "
-            "vLLM's pause and weight-update routes have no authentication, so anyone who "
-            "reaches that address can pause the server or replace its weights",
-            host,
+            "%s %s is not a loopback address: vLLM's pause and weight-update routes have no "
+            "authentication, so anyone who reaches it can pause the server or replace its "
+            "weights",
+            setting,
+            address,
         )
 
 
@@ -149,7 +151,7 @@ class VLLMServer:
         self._proc: subprocess.Popen | None = None
         self._log = None
         self._guard = StartGuard(VLLMServerError)
-        _warn_if_exposed(cfg.vllm_host)
+        warn_if_exposed("engine.vllm_host", cfg.vllm_host, cfg.vllm_host)
 
     @property
     def base_url(self) -> str:
