@@ -87,11 +87,12 @@ def engine_greedy_after_first_sync(monkeypatch) -> dict:
 
 
 def sampled(run_dir: Path) -> list[tuple]:
-    """(step, group id, data index, completions) of each trained group, in order."""
-    return [
+    """(step, group id, data index, completions) of each trained group, by step and group
+    id: within a step, groups reach the batch in the order they finish, which varies."""
+    return sorted(
         (s["step"], s["group_id"], s["data_index"], [c["completion"] for c in s["samples"]])
         for s in read_jsonl(run_dir / "samples.jsonl")
-    ]
+    )
 
 
 def logprobs_of(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
