@@ -60,7 +60,7 @@ def train_demo(recipe: str, overrides: list[str]) -> int:
 
     from asyncgrpo.config import ConfigError, load_config
     from asyncgrpo.run import train
-    from asyncgrpo.run_context import RunAborted
+    from asyncgrpo.session import RunAborted
 
     if not Path(recipe).exists():
         print(f"error: recipe {recipe} not found (run `make demo` from the repository root)")

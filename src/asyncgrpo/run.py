@@ -22,7 +22,9 @@ from asyncgrpo.config import RunConfig
 from asyncgrpo.coordinator.buffer import BufferClosed
 from asyncgrpo.metrics import plot_run
 from asyncgrpo.metrics.progress import ProgressDisplay
-from asyncgrpo.run_context import RunAborted, RunContext, record_engine_busy
+from asyncgrpo.run_context import RunContext
+from asyncgrpo.session import RunAborted
+from asyncgrpo.session.engine_link import record_engine_busy
 from asyncgrpo.trainer.distributed import TrainerFailed, launched_rank
 from asyncgrpo.wiring import build_run
 
@@ -49,17 +51,17 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, **components) -> 
 def run_to_end(r: RunContext, stop: threading.Event, resume: bool = False) -> None:
     """Start the engine, run both halves until done, checkpoint, evaluate; close `r`."""
     try:
-        r.start_engine()
+        r.link.start()
         if resume:
             r.resume()
         r.publish_trainer_state()
-        r.sync_weights()  # the engine samples with the trainer's weights from the start
+        r.link.sync_weights()  # the engine samples with the trainer's weights from the start
         r.start_watchdog()  # logs what the run waits for whenever nothing moves
         r.producer = r.loop.submit(continuous_rollouts(r))
         continuous_training(r, stop)
         r.checkpoint(force=True)
-        if not stop.is_set() and not r.out_of_time():  # the budget covers the evaluation too
-            with r.doing("final evaluation"):
+        if not stop.is_set() and not r.clock.out_of_time():  # the budget covers evaluation too
+            with r.activity.doing("final evaluation"):
                 r.evaluator.maybe_start(r.step, final=True)
     finally:
         r.close()
@@ -76,7 +78,10 @@ async def continuous_rollouts(r: RunContext) -> None:
             except BufferClosed:
                 break
             if admitted:
-                r.orchestrator.start_group(*r.prompts.next())
+                r.orchestrator.start_next()
+    except Exception as exc:  # a bug here: the trainer's wait for a batch must hear of it
+        r.orchestrator.abort(RuntimeError(f"rollouts stopped: {exc!r}"))
+        raise
     finally:
         busy.cancel()
         await r.orchestrator.drain()
@@ -87,16 +92,16 @@ def continuous_training(r: RunContext, stop: threading.Event) -> None:
     cfg = r.cfg
     progress = ProgressDisplay(cfg.max_steps, start_step=r.step, max_time_s=cfg.max_time_s)
     # out of time before this session's first step, `next_batch` raises, saying why
-    while r.step < cfg.max_steps and not stop.is_set() and not r.time_up():
-        groups = r.next_batch(stop)  # fresh groups only: too-stale ones are dropped here
+    while r.step < cfg.max_steps and not stop.is_set() and not r.clock.time_up(r.step):
+        groups = r.batches.next(stop, r.step)  # fresh groups only: too-stale ones are dropped
         if groups is None:
             break
         r.evaluator.maybe_start(r.step)  # after the batch is in, so it never delays it
-        with r.doing("optimizer step", span="trainer"):
+        with r.activity.doing("optimizer step", span="trainer"):
             metrics = r.trainer.step(groups)
-        r.consumed(groups)
+        r.publish_trainer_state()  # reward functions see the step
         if r.step % cfg.coordinator.weight_sync_steps == 0:
-            r.sync_weights()
+            r.link.sync_weights()
         # the row first: a crash between the two then repeats the step on resume (the
         # checkpoint is older) instead of losing its row (the checkpoint would be newer)
         progress.update(r.step, r.log(metrics, groups))

@@ -1,32 +1,26 @@
-"""The wired roles of one run, and the chores between optimizer steps.
+"""The wired parts of one run, held together for the loop in `run.py`.
 
-`wiring.build_run` creates a `RunContext`; the two halves of the algorithm in
-`run.py` use it. Each role sits behind its own interface (`EngineBackend`,
-`GroupBuilder`, `Trainer`, the buffer); this class only holds them together
-and does what touches several at once: a weight sync (trainer -> engine ->
-buffer's engine version), waiting for a batch while watching the engine and
-the producer, a metric row, a checkpoint with the data position and the
-accounting, and an orderly shutdown. It also says what the trainer's thread is
-doing (`activity`), which the watchdog (`watchdog.py`) reports when nothing
-moves.
+`wiring.build_run` builds the roles from the recipe; `assemble_run` (below)
+puts them together with the rest into a `RunContext`. Each role sits behind its own
+interface (`EngineBackend`, `GroupBuilder`, `Trainer`, the buffer and its
+ledger), and each concern between them has one owner in `session/`: the engine
+link (start, revive, weight syncs), the clock, the wait for a batch, what the
+trainer's thread is doing, and the pipeline's status for the watchdog. What is
+left here touches several at once: resume, checkpoint, a metric row, shutdown.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncgrpo.backend import EngineBackend, EngineDied
+from asyncgrpo.backend import EngineBackend
 from asyncgrpo.config import RunConfig
 from asyncgrpo.coordinator.buffer import RolloutBuffer
 from asyncgrpo.evaluation import Evaluator
@@ -37,18 +31,19 @@ from asyncgrpo.rollout.orchestrator import Orchestrator
 from asyncgrpo.rollout.prompts import PromptStream
 from asyncgrpo.rollout.rewards import TrainerState
 from asyncgrpo.rollout.types import Group
+from asyncgrpo.session import RunAborted
+from asyncgrpo.session.activity import Activity
+from asyncgrpo.session.batches import BatchWaiter
+from asyncgrpo.session.clock import RunClock
+from asyncgrpo.session.engine_link import EngineLink
+from asyncgrpo.session.status import PipelineStatus
 from asyncgrpo.trainer.base import Trainer
 from asyncgrpo.trainer.checkpoint import Checkpointer
-from asyncgrpo.watchdog import Watchdog, pipeline_report, progress_mark
+from asyncgrpo.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
-LOOP_ANSWER_S = 60.0  # the rollout loop answers a bookkeeping call within this, or is stuck
-
-
-class RunAborted(RuntimeError):
-    """The run cannot continue (a fatal reward error, an engine that will not come back,
-    every group dropped)."""
+__all__ = ["RunContext", "assemble_run"]
 
 
 @dataclass
@@ -56,8 +51,7 @@ class RunContext:
     cfg: RunConfig
     run_dir: Path
     loop: LoopThread
-    engine: EngineBackend
-    builder: GroupBuilder
+    link: EngineLink
     buffer: RolloutBuffer
     prompts: PromptStream
     orchestrator: Orchestrator
@@ -66,143 +60,27 @@ class RunContext:
     checkpoints: Checkpointer
     rows: StepRows
     tracker: Any
-    weight_dtype: torch.dtype
+    activity: Activity
+    clock: RunClock
+    batches: BatchWaiter
+    status: PipelineStatus
     closers: list = field(default_factory=list)  # more to close at the end (rewards, Ray)
-    rewards: Any = None  # the RewardRunner, whose running calls the watchdog reports
-    start_time: float = field(default_factory=time.monotonic)
-    weight_sync_s: float = 0.0
-    producer: concurrent.futures.Future | None = None
-    activity: tuple[str, float] = field(default_factory=lambda: ("starting", time.monotonic()))
-    _doing_depth: int = 0
-    restarts_before: int = 0  # engine restarts of the sessions this one resumes
-    first_step: int = 0  # the step this session began at (a resumed run's checkpoint)
+    rewards: Any = None  # the RewardRunner: reward functions see the trainer's state
+    producer: concurrent.futures.Future | None = None  # the rollouts, on the loop thread
     watchdog: Watchdog | None = None
 
     @property
     def step(self) -> int:
         return self.trainer.version
 
-    @contextmanager
-    def doing(self, what: str, span: str | None = None) -> Iterator[None]:
-        """Mark what the trainer's thread does (for the watchdog), and its timeline span.
-        Nested (a sync while waiting for a batch), the outer activity comes back after."""
-        outer = self.activity if self._doing_depth else None
-        self.activity, self._doing_depth = (what, time.monotonic()), self._doing_depth + 1
-        try:
-            if span is None:
-                yield
-            else:
-                with self.tracker.span(span):
-                    yield
-        finally:
-            self._doing_depth -= 1
-            self.activity = outer or (f"done with {what}", time.monotonic())
-
-    def start_engine(self) -> None:
-        """Wait for the engine; meanwhile the transport lays out the first sync."""
-        from asyncgrpo.engine.process import EngineProcessError
-
-        layout = list(self.trainer.named_weights(self.weight_dtype))
-        with self.doing("waiting for the engine to start"):
-            try:
-                self.loop.run(self.engine.wait_ready(layout))
-            except EngineProcessError as exc:
-                raise RunAborted(f"the engine did not start: {exc}") from None
+    @property
+    def engine(self) -> Any:
+        return self.link.engine
 
     def start_watchdog(self) -> None:
-        period = self.cfg.coordinator.watchdog_s
-        self.watchdog = Watchdog(period, lambda: progress_mark(self), self.report)
+        """Log what the run waits for whenever nothing moves (`watchdog.py`)."""
+        self.watchdog = Watchdog.over(self.cfg.coordinator.watchdog_s, self.status)
         self.watchdog.start()
-
-    def report(self) -> str:
-        """What every stage is doing now (the watchdog's line)."""
-        return pipeline_report(self)
-
-    def sync_weights(self) -> None:
-        """Publish the trainer's weights; the engine's version becomes the trainer's."""
-        start = time.monotonic()
-        version = self.trainer.version
-        weights = list(self.trainer.named_weights(self.weight_dtype))
-        with self.doing(f"weight sync of version {version}", span="weight_sync"):
-            try:
-                self.loop.run(
-                    self.engine.sync_weights(weights, version, self.cfg.coordinator.sync_mode)
-                )
-            except EngineDied as exc:
-                raise RunAborted(str(exc)) from exc
-        self.buffer.set_engine_version(version)
-        self.weight_sync_s = time.monotonic() - start
-
-    def out_of_time(self) -> bool:
-        budget = self.cfg.max_time_s
-        return budget is not None and time.monotonic() - self.start_time >= budget
-
-    def time_up(self) -> bool:
-        """`max_time_s` is spent after this session's first step: a normal end."""
-        return self.out_of_time() and self.step > self.first_step
-
-    def next_batch(self, stop: threading.Event) -> list[Group] | None:
-        """Wait for a full batch of fresh groups, watching the engine and the producer.
-
-        Returns None when `stop` is set or `max_time_s` is spent while waiting; aborts
-        after `request_timeout_s`, when the orchestrator finds that no group can succeed, or
-        when `max_time_s` is spent before this session's first batch.
-        """
-        timeout = self.cfg.rollout.request_timeout_s
-        deadline = time.monotonic() + timeout
-        with self.doing("waiting for a batch"):
-            while not stop.is_set():
-                self._check_producer()
-                self._revive_engine()
-                if self.out_of_time():
-                    if self.step == self.first_step:  # nothing trained: a failure, not an end
-                        raise RunAborted(self._no_batch_in_time())
-                    logger.warning(
-                        "max_time_s (%g s) is spent while waiting for a batch: stopping | %s",
-                        self.cfg.max_time_s,
-                        self.report(),
-                    )
-                    return None
-                try:
-                    return self.buffer.get_batch(self.trainer.version, timeout=1.0)
-                except TimeoutError:
-                    if time.monotonic() >= deadline:
-                        raise RunAborted(
-                            f"no batch within {timeout:g} s (rollout.request_timeout_s) | "
-                            f"{self.report()}"
-                        ) from None
-        return None
-
-    def _no_batch_in_time(self) -> str:
-        return (
-            f"no batch came within max_time_s ({self.cfg.max_time_s:g} s), so no optimizer "
-            "step was taken. Likely causes: every group is dropped ('dropped' below, the first "
-            "error above), a reward function or the engine slower than the budget, or a batch "
-            "too big for it (raise max_time_s, or lower coordinator.batch_groups, "
-            f"rollout.num_generations or rollout.max_tokens) | {self.report()}"
-        )
-
-    def _check_producer(self) -> None:
-        if self.orchestrator.fatal is not None:
-            raise RunAborted(str(self.orchestrator.fatal))
-        if self.producer is not None and self.producer.done() and self.producer.exception():
-            raise RunAborted(f"rollouts stopped: {self.producer.exception()!r}")
-
-    def _revive_engine(self) -> None:
-        """A restarted engine holds its initial weights: send the current ones."""
-        try:
-            revived = self.loop.run(self.engine.revive())
-        except EngineDied as exc:
-            raise RunAborted(str(exc)) from exc
-        if revived:
-            logger.warning("engine restarted; re-sending the weights of version %d", self.step)
-            self.sync_weights()
-
-    def consumed(self, groups: list[Group]) -> None:
-        """The groups were trained on: their prompts are done, reward functions see the step."""
-        for g in groups:
-            self.prompts.done(g.data_index)
-        self.publish_trainer_state()
 
     def publish_trainer_state(self) -> None:
         """Tell reward functions (`trainer_state=`) where training is."""
@@ -212,24 +90,18 @@ class RunContext:
         self.rewards.trainer_state = TrainerState(self.step, self.cfg.max_steps, epoch)
 
     def checkpoint(self, force: bool = False) -> None:
-        elapsed = time.monotonic() - self.start_time
-        with self.doing("checkpoint"):
-            self.checkpoints.maybe_save(self.step, self._progress, elapsed, force=force)
+        with self.activity.doing("checkpoint"):
+            self.checkpoints.maybe_save(
+                self.step, self._progress, self.clock.elapsed(), force=force
+            )
 
     def _progress(self) -> tuple[dict, dict]:
-        """The data position and the accounting, taken together on the rollout loop, where
-        groups finish: a group is then either counted and done, or neither."""
+        """The data position and the accounting, taken together (`RolloutBuffer.record`)."""
+        position, record = self.buffer.record(self.prompts.state)
+        return position, self._accounting(record)
 
-        async def both() -> tuple[dict, dict]:
-            return self.prompts.state(), self.accounting()
-
-        try:
-            return self.loop.run(both(), timeout=LOOP_ANSWER_S)
-        except concurrent.futures.TimeoutError:
-            raise RunAborted(
-                f"the rollout loop did not answer within {LOOP_ANSWER_S:.0f} s: something "
-                f"running on it blocks (an async reward or rollout function?) | {self.report()}"
-            ) from None
+    def _accounting(self, record: dict) -> dict[str, Any]:
+        return {**record, "engine_restarts": self.link.restarts}
 
     def resume(self) -> None:
         try:
@@ -237,13 +109,11 @@ class RunContext:
         except FileNotFoundError as exc:
             raise RunAborted(str(exc)) from None
         self.prompts.load_state(state.data_position)
-        counts = state.extra.get("accounting")
-        if counts:  # the totals go on from the checkpoint's
-            self.buffer.carry_over(counts)
-            self.orchestrator.failures.update(counts.get("failures", {}))
-            self.restarts_before = int(counts.get("engine_restarts", 0))
-        self.start_time -= float(state.extra.get("time_s", 0.0))
-        self.first_step = self.step
+        record = state.extra.get("accounting")
+        if record:  # the totals go on from the checkpoint's
+            self.buffer.carry_over(record)
+            self.link.restarts_before = int(record.get("engine_restarts", 0))
+        self.clock.resumed(self.step, float(state.extra.get("time_s", 0.0)))
         self.tracker.truncate_after(state.step)
         logger.info("resumed at step %d", state.step)
 
@@ -252,20 +122,17 @@ class RunContext:
             self.step,
             metrics,
             groups,
-            time_s=time.monotonic() - self.start_time,
+            time_s=self.clock.elapsed(),
             version=self.trainer.version,
-            weight_sync_s=self.weight_sync_s,
-            engine_pause_s=getattr(self.engine, "sync_timings", {}).get("pause_s"),
+            weight_sync_s=self.link.weight_sync_s,
+            engine_pause_s=self.link.pause_s(),
         )
 
     def accounting(self) -> dict[str, Any]:
-        """Where every admitted group went, over the whole run (resumed sessions included);
+        """Where every admitted group went, over the whole run (resumed sessions included):
+        the buffer's ledger, what is queued and in flight, and the engine's restarts;
         `admitted` equals the sum of the rest."""
-        return {
-            **self.buffer.snapshot(),
-            "failures": dict(self.orchestrator.failures),
-            "engine_restarts": self.restarts_before + self.engine.restarts,
-        }
+        return self._accounting(self.buffer.snapshot())
 
     def close(self) -> None:
         """Stop rollouts, the loop thread and the engine; safe to call twice."""
@@ -279,10 +146,7 @@ class RunContext:
             except Exception:
                 pass
         self.checkpoints.write_accounting(self.accounting())
-        try:
-            self.loop.run(self.engine.close(), timeout=30)
-        except Exception:
-            logger.exception("closing the engine failed")
+        self.link.close()
         self.loop.stop()
         self.checkpoints.close()
         self.trainer.close()  # a data-parallel trainer stops its other ranks
@@ -291,21 +155,101 @@ class RunContext:
         self.tracker.close()
 
 
-async def record_engine_busy(client: Any, tracker: Any, period: float = 0.5) -> None:
-    """Turn the engine's cumulative busy seconds into timeline intervals. An engine that
-    does not report them (vLLM) leaves `engine_busy_ratio` NaN rather than 0."""
-    last_busy, last_t = None, tracker.elapsed()
-    while True:
-        await asyncio.sleep(period)
-        try:
-            stats = (await client.server_info()).get("stats", {})
-        except Exception:
-            continue
-        if "busy_seconds" not in stats:
-            tracker.timeline.engine_reports_busy = False
-            return
-        busy, now = float(stats["busy_seconds"]), tracker.elapsed()
-        if last_busy is not None and busy > last_busy:
-            # the busy part of the window, placed at its end
-            tracker.timeline.record("engine", max(last_t, now - (busy - last_busy)), now)
-        last_busy, last_t = busy, now
+def assemble_run(
+    cfg: RunConfig,
+    run_dir: Path,
+    engine: EngineBackend,
+    trainer: Trainer,
+    builder: GroupBuilder,
+    tracker: Any,
+    train_rows: Any,
+    eval_rows: Any,
+    rewards: Any = None,
+    eval_repeats: int = 1,
+) -> RunContext:
+    """The run around its three roles: prompt stream, buffer, orchestrator, loop thread,
+    evaluator, checkpoints and metric rows, each configured from its own section, and the
+    session's parts (`session/`). `rewards`, the builder's `RewardRunner` if any, is closed
+    with the run."""
+    prompts = PromptStream(train_rows, cfg.seed)
+    buffer = _buffer(cfg, prompts)
+    orchestrator = _orchestrator(cfg, builder, buffer, prompts)
+    loop = LoopThread()
+    evaluator = _evaluator(cfg, builder, eval_rows, loop, tracker, eval_repeats)
+    weight_dtype = getattr(torch, cfg.engine.resolved_dtype())
+    checkpoints = Checkpointer(
+        trainer,
+        run_dir,
+        cfg.checkpoint_steps,
+        cfg.save_weights_steps,
+        weight_dtype,
+        keep=cfg.save_total_limit,
+    )
+    activity, clock = Activity(tracker), RunClock(cfg.max_time_s)
+    link = EngineLink(
+        engine, loop, trainer, buffer, activity, weight_dtype, cfg.coordinator.sync_mode
+    )
+    status = PipelineStatus(activity, buffer, orchestrator, link, trainer, rewards)
+    batches = BatchWaiter(
+        buffer, orchestrator, link, clock, activity, cfg.rollout.request_timeout_s, status.report
+    )
+    return RunContext(
+        cfg=cfg,
+        run_dir=run_dir,
+        loop=loop,
+        link=link,
+        buffer=buffer,
+        prompts=prompts,
+        orchestrator=orchestrator,
+        trainer=trainer,
+        evaluator=evaluator,
+        checkpoints=checkpoints,
+        rows=StepRows(tracker, buffer, builder, advantage=cfg.advantage),
+        tracker=tracker,
+        activity=activity,
+        clock=clock,
+        batches=batches,
+        status=status,
+        closers=[rewards.close] if rewards is not None else [],
+        rewards=rewards,
+    )
+
+
+def _orchestrator(
+    cfg: RunConfig, builder: GroupBuilder, buffer: RolloutBuffer, prompts: PromptStream
+) -> Orchestrator:
+    r = cfg.rollout
+    return Orchestrator(
+        builder,
+        buffer,
+        prompts,
+        filter_zero_variance=r.filter_zero_variance,
+        max_concurrent_groups=r.max_concurrent_groups,
+        on_reward_error=r.reward_error_policy,
+    )
+
+
+def _evaluator(
+    cfg: RunConfig, builder: GroupBuilder, rows: Any, loop: LoopThread, tracker: Any, repeats: int
+) -> Evaluator:
+    return Evaluator(
+        builder,
+        rows,
+        loop,
+        tracker,
+        every=cfg.eval_steps,
+        limit=cfg.eval_limit,
+        repeats=repeats,
+        timeout_s=cfg.rollout.request_timeout_s,
+    )
+
+
+def _buffer(cfg: RunConfig, prompts: PromptStream) -> RolloutBuffer:
+    c = cfg.coordinator
+    ahead = c.max_ahead_batches
+    return RolloutBuffer(
+        c.batch_groups,
+        c.max_staleness,
+        on_group_end=prompts.done,  # a prompt whose group ended is never served again
+        max_ahead=None if ahead is None else math.ceil(ahead * c.batch_groups),
+    )

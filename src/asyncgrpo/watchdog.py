@@ -13,22 +13,34 @@ while the stall lasts:
     for 61 s (group 17) | engine: healthy, 0 restarts | reward calls: 'judge' 58 s
 
 It only observes, from its own thread, so it reports even when the trainer's
-thread or the rollout loop is the stuck part. What ends a stall is a deadline:
+thread or the rollout loop is the stuck part. What it observes is a `RunStatus`
+(the run's is `session/status.py`). What ends a stall is a deadline:
 `rollout.reward_timeout_s`, `engine.sync_timeout_s`, `rollout.request_timeout_s`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 10.0  # the engine client's own health check gives up after 5 s
+STOP_WAIT_S = 11.0  # a report may wait this long for the engine's health check
+
+
+class RunStatus(Protocol):
+    """What the watchdog watches."""
+
+    def progress_mark(self) -> Hashable:
+        """A value that changes whenever the run moves."""
+        ...
+
+    def report(self) -> str:
+        """What every stage is doing now, on one line."""
+        ...
 
 
 class Watchdog:
@@ -49,6 +61,10 @@ class Watchdog:
         self._since = self._next = clock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def over(cls, period_s: float, status: RunStatus) -> Watchdog:
+        return cls(period_s, status.progress_mark, status.report)
 
     def check(self) -> str | None:
         """One look: the line it logged, if the run has been still for a period (or another)."""
@@ -77,50 +93,4 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(HEALTH_TIMEOUT_S + 1)
-
-
-def progress_mark(r: Any) -> Hashable:
-    """What changes whenever the run moves (`r` is a `RunContext`)."""
-    s = r.buffer.snapshot()
-    finished = sum(s["dropped"].values())
-    return (s["admitted"], s["consumed"], s["queued"], finished, r.activity)
-
-
-def pipeline_report(r: Any) -> str:
-    """What every stage of the run `r` (a `RunContext`) is doing, on one line."""
-    doing, since = r.activity
-    s = r.buffer.snapshot()
-    parts = [
-        f"trainer: {doing} for {time.monotonic() - since:.0f} s (step {r.step})",
-        f"buffer: {s['queued']} of {r.buffer.batch_groups} groups queued, {s['in_flight']} in "
-        f"flight, {s['admitted']} admitted, {s['consumed']} consumed, dropped {s['dropped']}, "
-        f"engine version {s['engine_version']}",
-        _building(r.orchestrator.building()),
-        f"engine: {_engine_health(r)}, {r.engine.restarts} restarts",
-    ]
-    if r.rewards is not None:
-        parts.append(f"reward calls: {r.rewards.running.describe()}")
-    return " | ".join(parts)
-
-
-def _building(groups: list[tuple[int, float]]) -> str:
-    if not groups:
-        return "no group being built"
-    group_id, age = groups[0]
-    return f"building {len(groups)} groups, the oldest for {age:.0f} s (group {group_id})"
-
-
-def _engine_health(r: Any) -> str:
-    try:
-        future = r.loop.submit(r.engine.healthy())
-    except RuntimeError:
-        return "unknown (the rollout loop is closed)"
-    try:
-        healthy = future.result(timeout=HEALTH_TIMEOUT_S)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
-        return f"unknown (the rollout loop did not answer within {HEALTH_TIMEOUT_S:.0f} s)"
-    except Exception as exc:
-        return f"health check failed ({type(exc).__name__}: {exc})"
-    return "healthy" if healthy else "not answering its health check"
+            self._thread.join(STOP_WAIT_S)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -25,20 +24,11 @@ import yaml
 
 from asyncgrpo.backend import EngineBackend, make_backend
 from asyncgrpo.config import ConfigError, RunConfig
-from asyncgrpo.coordinator.buffer import RolloutBuffer
-from asyncgrpo.evaluation import Evaluator
-from asyncgrpo.loop_thread import LoopThread
-from asyncgrpo.metrics.rows import StepRows
 from asyncgrpo.metrics.tracker import MetricsTracker
-from asyncgrpo.rollout.builder import GroupBuilder
 from asyncgrpo.rollout.data import DatasetError, dataset_rows, load_prompts
-from asyncgrpo.rollout.orchestrator import Orchestrator
-from asyncgrpo.rollout.prompts import PromptStream
 from asyncgrpo.rollout.rewards import RewardRunner, RewardSpecError
-from asyncgrpo.run_context import RunContext
-from asyncgrpo.trainer.base import Trainer
+from asyncgrpo.run_context import RunContext, assemble_run
 from asyncgrpo.trainer.build import load_policy, make_trainer, prepare_policy
-from asyncgrpo.trainer.checkpoint import Checkpointer
 
 logger = logging.getLogger(__name__)
 
@@ -219,82 +209,6 @@ def _rewards(cfg: RunConfig, funcs: list) -> RewardRunner | None:
         timeout_s=r.reward_timeout_s,
         workers=r.reward_workers,
         num_workers=r.reward_num_workers,
-    )
-
-
-def assemble_run(
-    cfg: RunConfig,
-    run_dir: Path,
-    engine: EngineBackend,
-    trainer: Trainer,
-    builder: GroupBuilder,
-    tracker: Any,
-    train_rows: Any,
-    eval_rows: Any,
-    rewards: Any = None,
-    eval_repeats: int = 1,
-) -> RunContext:
-    """The run around its three roles: prompt stream, buffer, orchestrator, loop thread,
-    evaluator, checkpoints and metric rows, each configured from its own section.
-    `rewards`, the builder's `RewardRunner` if any, is closed with the run."""
-    prompts = PromptStream(train_rows, cfg.seed)
-    buffer = _buffer(cfg, prompts)
-    orchestrator = Orchestrator(
-        builder,
-        buffer,
-        prompts,
-        filter_zero_variance=cfg.rollout.filter_zero_variance,
-        max_concurrent_groups=cfg.rollout.max_concurrent_groups,
-        on_reward_error=cfg.rollout.reward_error_policy,
-    )
-    loop = LoopThread()
-    evaluator = Evaluator(
-        builder,
-        eval_rows,
-        loop,
-        tracker,
-        every=cfg.eval_steps,
-        limit=cfg.eval_limit,
-        repeats=eval_repeats,
-        timeout_s=cfg.rollout.request_timeout_s,
-    )
-    weight_dtype = getattr(torch, cfg.engine.resolved_dtype())
-    checkpoints = Checkpointer(
-        trainer,
-        run_dir,
-        cfg.checkpoint_steps,
-        cfg.save_weights_steps,
-        weight_dtype,
-        keep=cfg.save_total_limit,
-    )
-    return RunContext(
-        cfg=cfg,
-        run_dir=run_dir,
-        loop=loop,
-        engine=engine,
-        builder=builder,
-        buffer=buffer,
-        prompts=prompts,
-        orchestrator=orchestrator,
-        trainer=trainer,
-        evaluator=evaluator,
-        checkpoints=checkpoints,
-        rows=StepRows(tracker, buffer, builder),
-        tracker=tracker,
-        weight_dtype=weight_dtype,
-        closers=[rewards.close] if rewards is not None else [],
-        rewards=rewards,
-    )
-
-
-def _buffer(cfg: RunConfig, prompts: PromptStream) -> RolloutBuffer:
-    c = cfg.coordinator
-    ahead = c.max_ahead_batches
-    return RolloutBuffer(
-        c.batch_groups,
-        c.max_staleness,
-        on_drop_stale=lambda g: prompts.done(g.data_index),  # a stale prompt is not retried
-        max_ahead=None if ahead is None else math.ceil(ahead * c.batch_groups),
     )
 
 

@@ -22,7 +22,7 @@ from test_train import read_jsonl, train_rows, write_recipe
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo.cli import main as cli_main
-from asyncgrpo.run_context import RunContext
+from asyncgrpo.session.engine_link import EngineLink
 
 peft = pytest.importorskip("peft")
 
@@ -64,9 +64,9 @@ def engine_greedy_after_first_sync(monkeypatch) -> dict:
     """The engine's weight version and greedy continuations (ids, log-probs) of `PROMPTS`,
     asked right after the session's first sync, before any group is sampled."""
     served: dict = {}
-    original = RunContext.sync_weights
+    original = EngineLink.sync_weights
 
-    def sync_weights(r: RunContext) -> None:
+    def sync_weights(r: EngineLink) -> None:
         original(r)
         if served:
             return
@@ -82,7 +82,7 @@ def engine_greedy_after_first_sync(monkeypatch) -> dict:
 
         r.loop.run(ask(), timeout=60)
 
-    monkeypatch.setattr(RunContext, "sync_weights", sync_weights)
+    monkeypatch.setattr(EngineLink, "sync_weights", sync_weights)
     return served
 
 

@@ -35,7 +35,7 @@ from asyncgrpo.config import AdvantageConfig
 from asyncgrpo.rollout.rewards import RewardRunner
 from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
 from asyncgrpo.run import run_to_end
-from asyncgrpo.run_context import RunAborted
+from asyncgrpo.session import RunAborted
 from asyncgrpo.testing import even_token_reward, tiny_prompt_rows
 
 REWARDS = """

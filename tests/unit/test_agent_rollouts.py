@@ -123,9 +123,6 @@ def test_equal_rewards_flag_zero_variance():
 
 
 def test_orchestrator_counts_a_dropped_agent_group_under_its_reason():
-    buffer = RolloutBuffer(1, 0)
-    assert buffer.wait_admit(0.1)
-
     async def drop(group_id, position, row):
         raise GroupDropped("infra_error")
 
@@ -140,6 +137,8 @@ def test_orchestrator_counts_a_dropped_agent_group_under_its_reason():
         build = staticmethod(drop)
 
     prompts = Prompts()
+    buffer = RolloutBuffer(1, 0, on_group_end=prompts.done)
+    assert buffer.wait_admit(0.1)
     orch = Orchestrator(Dropping(), buffer, prompts)
     asyncio.run(orch._run_group(0, 9, {}))
     assert orch.failures["infra_error"] == 1 and prompts.done_positions == [9]

@@ -241,7 +241,7 @@ def test_engine_busy_is_unknown_not_zero_when_the_engine_does_not_report_it(repo
     import asyncio
     from types import SimpleNamespace
 
-    from asyncgrpo.run_context import record_engine_busy
+    from asyncgrpo.session.engine_link import record_engine_busy
 
     clock = FakeClock()
     tracker = SimpleNamespace(timeline=Timeline(clock), elapsed=clock)

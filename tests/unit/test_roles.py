@@ -38,18 +38,19 @@ from asyncgrpo.client.engine_client import Completion, Sample
 from asyncgrpo.config import AdvantageConfig, RunConfig, build_config
 from asyncgrpo.coordinator.buffer import RolloutBuffer
 from asyncgrpo.metrics.tracker import MetricsTracker, read_metrics
-from asyncgrpo.rollout.builder import GroupBuilder, GroupDropped, is_zero_variance
+from asyncgrpo.rollout.advantages import is_zero_variance
+from asyncgrpo.rollout.builder import GroupBuilder, GroupDropped
 from asyncgrpo.rollout.orchestrator import Orchestrator
 from asyncgrpo.rollout.prompts import PromptStream
 from asyncgrpo.rollout.rewards import RewardFailure, RewardRunner, RewardTimeout
 from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.run import run_to_end
-from asyncgrpo.run_context import RunAborted, RunContext
+from asyncgrpo.run_context import RunContext, assemble_run
+from asyncgrpo.session import RunAborted
 from asyncgrpo.trainer.base import Trainer
 from asyncgrpo.trainer.checkpoint import Checkpointer, TrainingState, latest_checkpoint
 from asyncgrpo.watchdog import Watchdog
-from asyncgrpo.wiring import assemble_run
 
 # ---- fakes -----------------------------------------------------------------------------
 
@@ -349,8 +350,8 @@ async def produce_one(orchestrator: Orchestrator, timeout_s: float = 2.0) -> int
 
 def make_orchestrator(build, **kw) -> Orchestrator:
     # one group of budget: a second admission succeeds only if the first released its quota
-    buffer = RolloutBuffer(batch_groups=1, max_staleness=0)
     prompts = PromptStream([{"prompt": "a"}, {"prompt": "b"}], seed=0)
+    buffer = RolloutBuffer(batch_groups=1, max_staleness=0, on_group_end=prompts.done)
     return Orchestrator(ScriptedBuilder(build), buffer, prompts, **kw)
 
 
@@ -595,8 +596,8 @@ def test_a_group_without_any_reward_is_dropped_as_no_reward_not_zero_variance(ca
     )
 
     async def scenario():
-        buffer = RolloutBuffer(batch_groups=1, max_staleness=0)
         prompts = PromptStream([{"prompt": "a"}, {"prompt": "b"}], seed=0)
+        buffer = RolloutBuffer(batch_groups=1, max_staleness=0, on_group_end=prompts.done)
         orch = Orchestrator(builder, buffer, prompts, filter_zero_variance=True)
         assert_dropped(orch, await produce_one(orch), "no_reward")
 

@@ -69,7 +69,7 @@ class AdvantageConfig(Section):
     """One weight per reward function (default: all 1)."""
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """Several reward functions: normalise their weighted sum, or normalise each one and sum
-    the advantages (GDPO-style); see `trainer/advantages.py`."""
+    the advantages (GDPO-style); see `rollout/advantages.py`."""
     epsilon: float = Field(1e-4, gt=0)
     """Added to the reward std before dividing."""
 

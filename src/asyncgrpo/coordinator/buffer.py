@@ -5,17 +5,11 @@ trainer (a thread consuming batches), so it is thread-safe with one condition
 variable, and every state change wakes every waiter: a throttle that reopened
 only at the next weight sync would idle the engine.
 
-Accounting closes by construction — each admitted group ends in exactly one of
-`consumed`, `dropped[reason]`, or is still `queued`/`in_flight`:
-
-    admitted == consumed + sum(dropped.values()) + queued + in_flight
-
-The queue never overflows and never drops the oldest data silently: admission
-bounds `queued + in_flight` (see `staleness.py`).
-
-A resumed run starts from the counts its checkpoint saved (`carry_over`), so the
-totals cover the whole run and the admission budget, which is measured against
-`consumed`, continues where it was instead of admitting from zero again.
+It owns the run's `GroupLedger` (`ledger.py`): every admitted group ends
+exactly once, consumed here, dropped here as too stale, or discarded by the
+orchestrator with a reason, and each end is counted there under this buffer's
+lock. The queue never overflows and never drops the oldest data silently:
+admission bounds `queued + in_flight` (see `staleness.py`).
 """
 
 from __future__ import annotations
@@ -24,15 +18,18 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
+from asyncgrpo.coordinator.ledger import STALE, GroupLedger
 from asyncgrpo.coordinator.staleness import is_too_stale, may_admit, staleness
 
 
 class VersionedGroup(Protocol):
-    """What the buffer needs to know about a group: the version of its oldest token."""
+    """What the buffer needs to know about a group: the version of its oldest token and
+    its prompt position (released when the group ends)."""
 
     min_version: int
+    data_index: int
 
 
 class BufferClosed(Exception):
@@ -44,9 +41,11 @@ class RolloutBuffer:
         self,
         batch_groups: int,
         max_staleness: int,
-        on_drop_stale: Callable[[VersionedGroup], None] | None = None,
+        on_group_end: Callable[[int], None] | None = None,
         max_ahead: int | None = None,
     ):
+        """`on_group_end(position)`: a group ended (consumed or dropped): e.g. mark its
+        prompt done, so it is never served again."""
         if batch_groups < 1:
             raise ValueError("batch_groups must be >= 1")
         if max_staleness < 0:
@@ -54,16 +53,19 @@ class RolloutBuffer:
         self.batch_groups = batch_groups
         self.max_staleness = max_staleness
         self.max_ahead = max_ahead  # most groups queued + in flight (see staleness.py)
-        self.on_drop_stale = on_drop_stale  # e.g. mark the prompt done (it will not be trained)
+        self.ledger = GroupLedger(on_group_end)
         self._cond = threading.Condition()
         self._queue: deque = deque()
         self._closed = False
         self.engine_version = 0
         self.in_flight = 0
-        self.admitted = 0
-        self.consumed = 0
-        self.dropped: Counter[str] = Counter()
         self.staleness_seen: list[int] = []  # staleness of every consumed group
+
+    @property
+    def dropped(self) -> Counter[str]:
+        """Groups that ended without training, by reason (a copy of the ledger's counts)."""
+        with self._cond:
+            return Counter(self.ledger.dropped)
 
     # ---- producer side -------------------------------------------------------
 
@@ -72,7 +74,7 @@ class RolloutBuffer:
             engine_version=self.engine_version,
             max_staleness=self.max_staleness,
             batch_groups=self.batch_groups,
-            consumed=self.consumed,
+            consumed=self.ledger.consumed,
             queued=len(self._queue),
             in_flight=self.in_flight,
             max_ahead=self.max_ahead,
@@ -86,7 +88,7 @@ class RolloutBuffer:
             if self._closed:
                 raise BufferClosed
             self.in_flight += 1
-            self.admitted += 1
+            self.ledger.admit()
             return True
 
     def put(self, group: VersionedGroup) -> None:
@@ -96,11 +98,12 @@ class RolloutBuffer:
             self._queue.append(group)
             self._cond.notify_all()
 
-    def discard(self, reason: str) -> None:
-        """A group admitted earlier will never arrive (filtered, failed, ...): release its quota."""
+    def discard(self, reason: str, position: int | None = None) -> None:
+        """A group admitted earlier will never arrive (filtered, failed, ...): count it under
+        `reason`, release its quota and its prompt `position`."""
         with self._cond:
             self.in_flight -= 1
-            self.dropped[reason] += 1
+            self.ledger.drop(reason, position)
             self._cond.notify_all()
 
     def set_engine_version(self, version: int) -> None:
@@ -132,7 +135,7 @@ class RolloutBuffer:
                     )
                 self._cond.wait(remaining)
             batch = [self._queue.popleft() for _ in range(self.batch_groups)]
-            self.consumed += len(batch)
+            self.ledger.consume(g.data_index for g in batch)
             self.staleness_seen.extend(staleness(trainer_version, g.min_version) for g in batch)
             self._cond.notify_all()
             return batch
@@ -141,9 +144,7 @@ class RolloutBuffer:
         fresh = deque()
         for group in self._queue:
             if is_too_stale(trainer_version, group.min_version, self.max_staleness):
-                self.dropped["stale"] += 1
-                if self.on_drop_stale is not None:
-                    self.on_drop_stale(group)
+                self.ledger.drop(STALE, group.data_index)  # a stale prompt is not retried
             else:
                 fresh.append(group)
         if len(fresh) != len(self._queue):
@@ -152,14 +153,18 @@ class RolloutBuffer:
 
     # ---- lifecycle and metrics -----------------------------------------------
 
-    def carry_over(self, counts: dict) -> None:
-        """Continue from a checkpoint's `snapshot()`: the groups finished before it stay
-        counted; those then queued or in flight are served again, so they are not carried."""
+    def carry_over(self, record: dict) -> None:
+        """Continue from a checkpoint's ledger record (`GroupLedger.restore`)."""
         with self._cond:
-            self.consumed = int(counts.get("consumed", 0))
-            self.dropped = Counter(counts.get("dropped", {}))
-            self.admitted = self.consumed + sum(self.dropped.values())
+            self.ledger.restore(record)
             self._cond.notify_all()
+
+    def record(self, position: Callable[[], Any]) -> tuple[Any, dict]:
+        """(`position()`, the ledger's record), taken together under the buffer's lock,
+        where every group ends: a group is then either counted and its prompt done, or
+        neither (a checkpoint's data position and accounting agree)."""
+        with self._cond:
+            return position(), self.ledger.record()
 
     def close(self) -> None:
         with self._cond:
@@ -167,12 +172,11 @@ class RolloutBuffer:
             self._cond.notify_all()
 
     def snapshot(self) -> dict:
+        """The ledger's counts plus what is queued and in flight now."""
         with self._cond:
             return {
-                "admitted": self.admitted,
-                "consumed": self.consumed,
+                **self.ledger.record(),
                 "queued": len(self._queue),
                 "in_flight": self.in_flight,
-                "dropped": dict(self.dropped),
                 "engine_version": self.engine_version,
             }

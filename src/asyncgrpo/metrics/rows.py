@@ -9,7 +9,8 @@ before weighting; None where a function returned None for every completion).
 
 Every consumed group goes to `samples.jsonl` as one line: its prompt and
 `samples_per_group` of its completions (all of them by default), each with its
-combined reward, its per-function rewards and its finish reason.
+combined reward (`advantages.batch_advantages`, the trainer's own function), its
+per-function rewards and its finish reason.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from asyncgrpo.config import AdvantageConfig
 from asyncgrpo.coordinator.buffer import RolloutBuffer
+from asyncgrpo.rollout.advantages import batch_advantages
 from asyncgrpo.rollout.builder import GroupBuilder
 from asyncgrpo.rollout.types import Group
 
@@ -32,6 +35,7 @@ class StepRows:
     `reward_names`: one per entry of `Rollout.rewards`; by default the names of the
     builder's reward functions (`builder.rewards.names`), none for agent episodes.
     `samples_per_group`: completions of each group written to samples.jsonl (None: all).
+    `advantage`: how the per-function rewards combine (the recipe's `advantage` section).
     """
 
     def __init__(
@@ -42,6 +46,7 @@ class StepRows:
         *,
         reward_names: list[str] | None = None,
         samples_per_group: int | None = None,
+        advantage: AdvantageConfig | None = None,
     ):
         self.tracker = tracker
         self.buffer = buffer
@@ -49,6 +54,7 @@ class StepRows:
         runner = getattr(builder, "rewards", None)
         self.reward_names = list(reward_names or getattr(runner, "names", None) or [])
         self.samples_per_group = samples_per_group
+        self.advantage = advantage or AdvantageConfig()
         self._last = {"time": time.monotonic(), "t_run": 0.0, "gen_tokens": 0}
 
     def log(
@@ -70,8 +76,14 @@ class StepRows:
         self._last = {"time": now, "t_run": self.tracker.elapsed(), "gen_tokens": gen_tokens}
         row = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
         self.tracker.log_step(step, row)
+        rewards = iter(batch_advantages(groups, self.advantage).rewards.tolist())
+        combined = [[next(rewards) for _ in g.rollouts] for g in groups]
         self.tracker.log_samples(
-            step, [sample_of(g, self.reward_names, self.samples_per_group) for g in groups]
+            step,
+            [
+                sample_of(g, r, self.reward_names, self.samples_per_group)
+                for g, r in zip(groups, combined, strict=True)
+            ],
         )
         return {**row, **_held_out(self.tracker.last_eval)}
 
@@ -113,8 +125,11 @@ def reward_means(groups: list[Group], names: list[str]) -> dict[str, float | Non
     return out
 
 
-def sample_of(group: Group, names: list[str], limit: int | None = None) -> dict[str, Any]:
-    """One samples.jsonl line: the group's prompt and its first `limit` completions (None: all)."""
+def sample_of(
+    group: Group, rewards: list[float], names: list[str], limit: int | None = None
+) -> dict[str, Any]:
+    """One samples.jsonl line: the group's prompt and its first `limit` completions (None:
+    all), each with its combined reward from `rewards` (one per completion)."""
     rollouts = group.rollouts if limit is None else group.rollouts[:limit]
     return {
         "group_id": group.group_id,
@@ -124,11 +139,11 @@ def sample_of(group: Group, names: list[str], limit: int | None = None) -> dict[
         "samples": [
             {
                 "completion": r.text,
-                "reward": r.reward,
+                "reward": reward,
                 "rewards": dict(zip(names, r.rewards, strict=False)) if names else r.rewards,
                 "finish_reason": r.finish_reason,
                 "completion_tokens": len(r.completion_ids),
             }
-            for r in rollouts
+            for r, reward in zip(rollouts, rewards, strict=False)
         ],
     }

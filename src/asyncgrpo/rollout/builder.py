@@ -5,15 +5,15 @@ its limits, so a new kind of rollout is a new builder, not a new branch in the
 dispatch loop. Two builders exist: `SingleTurnBuilder` (`single_turn.py`:
 `num_generations` completions of a prompt, scored by reward functions) and
 `EpisodeGroupBuilder` (`episodes.py`: whole agent episodes). Both decide "zero
-variance" with `is_zero_variance` below, the trainer's own advantage function.
+variance" with `advantages.is_zero_variance`, the function the trainer's
+advantages come from.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
 
-from asyncgrpo.config import AdvantageConfig
-from asyncgrpo.rollout.types import Group, Rollout
+from asyncgrpo.rollout.types import Group
 
 
 class GroupDropped(Exception):
@@ -44,11 +44,3 @@ class GroupBuilder(Protocol):
     def take_stats(self) -> dict[str, Any]:
         """Per-step metrics of this builder since the last call (e.g. episode stop reasons)."""
         ...
-
-
-def is_zero_variance(rollouts: list[Rollout], cfg: AdvantageConfig) -> bool:
-    """True when the group's rewards give no learning signal (all its advantages are 0)."""
-    from asyncgrpo.trainer.advantages import compute_advantages
-
-    result = compute_advantages([r.rewards for r in rollouts], [0] * len(rollouts), cfg)
-    return bool(result.degenerate[0])

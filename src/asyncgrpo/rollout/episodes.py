@@ -54,7 +54,8 @@ from typing import Any
 from asyncgrpo.agents.runner import EpisodeOutcome, run_episode, training_row
 from asyncgrpo.agents.trajectory import StopReason
 from asyncgrpo.config import AdvantageConfig
-from asyncgrpo.rollout.builder import GroupDropped, is_zero_variance
+from asyncgrpo.rollout.advantages import is_zero_variance
+from asyncgrpo.rollout.builder import GroupDropped
 from asyncgrpo.rollout.types import Group, Rollout
 
 __all__ = ["EpisodeGroupBuilder", "EpisodeSettings", "GroupDropped", "load_rollout"]

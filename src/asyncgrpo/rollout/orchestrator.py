@@ -1,14 +1,14 @@
 """The orchestrator: turns prompt rows into scored, version-stamped groups, forever.
 
 It runs on the rollout loop. The producer in `run.py` waits for the buffer's
-admission throttle, takes the next prompt row and calls `start_group`, which
-starts one task per group; the task asks the
-`GroupBuilder` for the scored group and hands it to the buffer, or releases its
-quota with a reason (zero variance, reward error or timeout, prompt too long,
-engine error, or a builder's own `GroupDropped` reason such as `no_reward`).
-Every admitted group ends in exactly one of those places; exceptions are never
-swallowed silently: each failure kind is counted and its first occurrence
-logged. The groups being built, and since when, are what the watchdog reports.
+admission throttle and calls `start_next`, which takes the next prompt row and
+starts one task for its group; the task asks the `GroupBuilder` for the scored
+group and hands it to the buffer, or discards it there with a reason (zero
+variance, reward error or timeout, prompt too long, engine error, or a
+builder's own `GroupDropped` reason such as `no_reward`), which the buffer's
+ledger counts. Exceptions are never swallowed silently: each failure kind is
+counted and its first occurrence logged. The groups being built, and since
+when, are what the watchdog reports.
 
 A run in which every group is dropped would otherwise spin forever (a reward that
 always raises, constant rewards, rows without a prompt). `DropStreak` counts the
@@ -156,13 +156,18 @@ class Orchestrator:
         self._tasks: set[asyncio.Task] = set()
         self._building: dict[int, float] = {}  # group id -> when it was started
         self._stopping = False
+        self._logged: set[str] = set()  # failure kinds whose first occurrence was logged
         self.fatal: BaseException | None = None
-        self.failures: Counter[str] = Counter()
         self.streak = DropStreak(buffer.batch_groups)
 
     @property
     def generated_tokens(self) -> int:
         return self.builder.generated_tokens
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """Groups that ended before reaching the buffer, by reason (the buffer's ledger)."""
+        return self.buffer.snapshot()["failures"]
 
     @property
     def stopping(self) -> bool:
@@ -180,6 +185,10 @@ class Orchestrator:
         now = time.monotonic()
         started = sorted(dict(self._building).items(), key=lambda item: item[1])
         return [(group_id, now - t) for group_id, t in started]
+
+    def start_next(self) -> None:
+        """Start the group of the next prompt row (the buffer admitted it)."""
+        self.start_group(*self.prompts.next())
 
     def start_group(self, position: int, row: dict) -> None:
         """Build the group of `row` in a task of its own (the buffer admitted it).
@@ -229,13 +238,11 @@ class Orchestrator:
             outcome, error = exc.reason, str(exc)
             self._log_first(outcome, exc)
             if self.on_reward_error == "abort":
-                self._abort(exc)
+                self.abort(exc)
         except Exception as exc:  # engine errors and bugs: counted and logged, never silent
             error = f"{type(exc).__name__}: {exc}"
             self._log_first(outcome, exc)
-        self.failures[outcome] += 1
-        self.buffer.discard(outcome)
-        self.prompts.done(position)
+        self.buffer.discard(outcome, position)  # the ledger counts it and releases the prompt
         self._count_drop(outcome, error, group)
 
     def _count_drop(self, outcome: str, error: str, group: Group | None) -> None:
@@ -243,14 +250,16 @@ class Orchestrator:
         self.streak.dropped(outcome, error, group if outcome == "zero_variance" else None)
         verdict = self.streak.verdict()
         if verdict is not None and self.fatal is None:
-            self._abort(NoProgress(verdict))
+            self.abort(NoProgress(verdict))
 
-    def _abort(self, exc: BaseException) -> None:
+    def abort(self, exc: BaseException) -> None:
+        """Stop producing; the trainer's wait for a batch raises `exc`'s message."""
         self.fatal = exc
         self.stop()
 
     def _log_first(self, kind: str, exc: BaseException) -> None:
-        if self.failures[kind] == 0:
+        if kind not in self._logged:
+            self._logged.add(kind)
             # these say what happened (and name the function); a traceback would only add noise
             expected = isinstance(exc, GroupDropped | RewardTimeout)
             text = str(exc) if expected else "".join(traceback.format_exception(exc))

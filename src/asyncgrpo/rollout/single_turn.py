@@ -22,7 +22,8 @@ import numpy as np
 
 from asyncgrpo.client.retry import EngineHTTPError
 from asyncgrpo.config import AdvantageConfig
-from asyncgrpo.rollout.builder import GroupDropped, is_zero_variance
+from asyncgrpo.rollout.advantages import is_zero_variance
+from asyncgrpo.rollout.builder import GroupDropped
 from asyncgrpo.rollout.data import render_prompt
 from asyncgrpo.rollout.rewards import RewardFailure
 from asyncgrpo.rollout.types import Group, Rollout

@@ -27,7 +27,7 @@ class Rollout:
     finish_reason: str
     text: str
     rewards: list[float | None] = field(default_factory=list)  # one per reward function
-    reward: float = float("nan")  # combined reward (NaN: masked)
+    reward: float = float("nan")  # combined reward, set on the trainer's copies (NaN: masked)
     completion_mask: list[int] | None = None  # 1 where sampled (carries loss); None: all ones
 
     @property

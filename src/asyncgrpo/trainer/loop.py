@@ -32,8 +32,8 @@ import torch
 
 from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
 from asyncgrpo.coordinator.staleness import staleness
+from asyncgrpo.rollout.advantages import batch_advantages
 from asyncgrpo.rollout.types import Group, Rollout
-from asyncgrpo.trainer.advantages import compute_advantages
 from asyncgrpo.trainer.batch import Prepared, StepTotals
 from asyncgrpo.trainer.checkpoint import TrainingState, load_checkpoint, save_checkpoint
 from asyncgrpo.trainer.losses import LossInputs, compute_loss
@@ -127,15 +127,6 @@ class PolicyTrainer:
             self.optimizer, lr_lambda(self.trainer_cfg, self.max_steps)
         )
 
-    def advantages(self, groups: list[Group]) -> np.ndarray:
-        """Advantages of the batch (weighted by `advantage.reward_weights`); sets `reward`."""
-        rollouts = [r for g in groups for r in g.rollouts]
-        ids = [g.group_id for g in groups for _ in g.rollouts]
-        result = compute_advantages([r.rewards for r in rollouts], ids, self.adv_cfg)
-        for r, reward in zip(rollouts, result.rewards, strict=True):
-            r.reward = float(reward)
-        return result.advantages
-
     def step(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step; returns its metrics. Bumps `version`."""
         start = time.perf_counter()
@@ -149,8 +140,11 @@ class PolicyTrainer:
 
         With `loss.mask_truncated_completions`, completions cut off by the length limit
         count in their group's advantages, then are left out of the loss and the counts."""
-        advantages = self.advantages(groups)  # over every sample, truncated ones included
-        rollouts = [r for g in groups for r in g.rollouts]
+        scored = batch_advantages(groups, self.adv_cfg)  # every sample, truncated ones too
+        rollouts = [
+            dataclasses.replace(r, reward=float(reward))  # copies: the groups stay as built
+            for r, reward in zip((r for g in groups for r in g.rollouts), scored.rewards)
+        ]
         sampled_tokens = sum(r.num_sampled for r in rollouts)
         truncated_out = self.loss_cfg.mask_truncated_completions
         masked = [truncated_out and r.finish_reason == "length" for r in rollouts]
@@ -165,7 +159,9 @@ class PolicyTrainer:
             dp_world_size=self.dp_world_size,
         )
         group_of = [g.group_id for g in groups for _ in g.rollouts]
-        return Prepared(rollouts, advantages, group_of, counts, sampled_tokens=sampled_tokens)
+        return Prepared(
+            rollouts, scored.advantages, group_of, counts, sampled_tokens=sampled_tokens
+        )
 
     def accumulate(self, batch: Prepared) -> StepTotals:
         """Forward and backward over `batch` in packed micro-batches; gradients accumulate."""
@@ -349,8 +345,7 @@ def token_staleness(rollouts: list[Rollout], trainer_version: int) -> dict[str, 
 
 
 def without_loss(rollout: Rollout) -> Rollout:
-    """A copy of `rollout` whose tokens carry no loss (the group's own object is kept, for
-    samples.jsonl and the metrics)."""
+    """A copy of `rollout` whose tokens carry no loss."""
     return dataclasses.replace(rollout, completion_mask=[0] * len(rollout.completion_ids))
 
 

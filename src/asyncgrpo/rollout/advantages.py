@@ -1,9 +1,11 @@
 """Group-relative advantages from one or more reward functions, NaN aware.
 
-One function serves the orchestrator (flag zero-variance groups as they are
-scored) and the trainer (advantages of the whole batch), so streaming and batch
-scoring cannot disagree. Its options are the recipe's `advantage` section,
-`asyncgrpo.config.AdvantageConfig` (re-exported here).
+The one place advantages are computed, as pure functions that return values
+and change no rollout: the group builders ask `is_zero_variance` of each group
+as it is scored, the trainer asks `batch_advantages` of its batch, and the
+metric rows report the combined rewards of the same result, so streaming and
+batch scoring cannot disagree. Its options are the recipe's `advantage`
+section, `asyncgrpo.config.AdvantageConfig` (re-exported here).
 
 For each sample, `rewards` holds one entry per reward function; `None` or NaN
 means that function gave no reward for it. With weights w_f (`reward_weights`,
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncgrpo.config import AdvantageConfig
+from asyncgrpo.rollout.types import Group, Rollout
 
 
 @dataclass
@@ -129,3 +132,16 @@ def normalize(
         adv = centred / (std + cfg.epsilon)
     adv = np.where(valid & ~degenerate[gidx], adv, 0.0)
     return adv, degenerate
+
+
+def batch_advantages(groups: list[Group], cfg: AdvantageConfig) -> AdvantageResult:
+    """The advantages and combined rewards of every sample of `groups`, in order."""
+    rollouts = [r for g in groups for r in g.rollouts]
+    ids = [g.group_id for g in groups for _ in g.rollouts]
+    return compute_advantages([r.rewards for r in rollouts], ids, cfg)
+
+
+def is_zero_variance(rollouts: list[Rollout], cfg: AdvantageConfig) -> bool:
+    """True when the group's rewards give no learning signal (all its advantages are 0)."""
+    result = compute_advantages([r.rewards for r in rollouts], [0] * len(rollouts), cfg)
+    return bool(result.degenerate[0])
