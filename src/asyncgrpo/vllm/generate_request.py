@@ -29,10 +29,13 @@ The rules:
   with, the version as a string after a sync (what `/weight_info` reports and
   `finish_weight_update` sets). vLLM's prefix cache only reuses blocks of requests
   with the same salt, so no prompt prefix computed under older weights serves a
-  request on newer ones. The reset of the prefix cache at each sync is not enough:
-  vLLM refuses it while requests hold blocks, which they do under a pause that
-  keeps them. Requests on the same weights share a salt whichever caller sent
-  them. No salt is sent when the label is unknown: the trainer's client before its
+  request on newer ones; the resets around a sync do not suffice, as vLLM refuses
+  a reset while requests hold blocks (outside a pause, or under one with
+  `clear_cache=false`). A request sent during a sync carries the old label, which
+  is safe: vLLM queues it until the resume, and the pause asyncgrpo sends (vLLM's
+  default `clear_cache=true`) empties the prefix cache, preempting requests in
+  flight. Requests on the same weights share a salt whichever caller sent them.
+  No salt is sent when the label is unknown: the trainer's client before its
   first sync (the server holds the weights it started with, and every later
   request of ours is salted), a gateway whose vLLM does not serve `/weight_info`
   (no dev mode: its weights cannot change).
