@@ -138,7 +138,7 @@ def test_sampling_params_map_to_vllm_and_results_come_back_per_token(make_engine
     assert body["request_id"] == "chatcmpl-x-0" and body["token_ids"] == [1, 2, 3]
     assert body["cache_salt"] == "asyncgrpo-default"  # vLLM's weight label when it was sent
     assert body["sampling_params"] == {
-        "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "n": 1,
+        "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "n": 1,
         "stop": ["\n\n"], "stop_token_ids": [5], "ignore_eos": True,
         "skip_special_tokens": False, "logprobs": 3,
     }  # fmt: skip

@@ -47,10 +47,11 @@ from asyncgrpo.engine.loading import (
     load_model,
     tied_names,
 )
+from asyncgrpo.engine.prefill import STAGING_SLOTS
 from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.request import Request
 from asyncgrpo.engine.runner import ModelRunner
-from asyncgrpo.engine.scheduler import STAGING_SLOTS, Scheduler
+from asyncgrpo.engine.scheduler import Scheduler
 from asyncgrpo.engine.types import EngineError, PauseMode, SamplingParams, TokenDelta
 
 logger = logging.getLogger(__name__)

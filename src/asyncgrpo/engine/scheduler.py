@@ -5,10 +5,10 @@ scheduling state it drives. It runs on the engine thread, between the commands t
 front end drains, so no lock guards it; the front end only registers new requests in
 `live`, reads it, and sets `weight_version` (single dict and attribute operations).
 
-A step admits waiting requests and prefills their prompts in one batched forward
-(prefix blocks already in the prefix cache are copied, not computed; prompts longer
-than a chunk take several steps in a staging slot), then decodes one token for every
-running sample. Samples leave the batch the moment they finish, and the last one
+A step prefills the prompt chunks that `PrefillQueue` (prefill.py) chooses in one
+batched forward (admission, prefix-cache hits copied rather than computed, prompts
+longer than a chunk over several steps in a staging slot), then decodes one token
+for every running sample. Samples leave the batch the moment they finish, and the last one
 moves into the freed slot, so decode slots stay 0..B-1. The `n` samples of a request
 share its prefill and copy its keys and values. Every token is stamped with the weight
 version that sampled it, and deltas go back to each consumer's own asyncio loop.
@@ -29,7 +29,7 @@ from collections import deque
 import torch
 
 from asyncgrpo.config import EngineConfig
-from asyncgrpo.engine.prefix_cache import BLOCK as PREFIX_BLOCK
+from asyncgrpo.engine.prefill import PrefillQueue, Row
 from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.request import Request, Sample
 from asyncgrpo.engine.runner import ModelRunner
@@ -38,10 +38,6 @@ from asyncgrpo.engine.types import EngineError, TokenDelta
 
 logger = logging.getLogger(__name__)
 
-STAGING_SLOTS = 2  # extra cache slots for prompts whose prefill spans several steps
-
-
-Row = tuple[Request, int, int, int]  # one prefill row: (request, slot, start, end)
 Outbox = dict[Request, list[TokenDelta]]
 
 
@@ -61,15 +57,31 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.waiting: deque[Request] = deque()
-        self.staging: list[Request] = []  # admitted, prefill spanning several steps
+        self.prefill = PrefillQueue(config, prefix_cache)  # waiting and staged requests
         self.running: list[Sample] = []  # index == decode slot
         self.live: dict[str, Request] = {}  # every request not yet finished, by id
         self.weight_version = 0  # stamped on every sampled token
         self.weights_epoch = 0  # bumped by every weight update
         self.generated_tokens = 0
-        self.prompt_tokens = 0  # prompt tokens admitted
-        self.cached_prompt_tokens = 0  # of which read from the prefix cache
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.prefill.waiting
+
+    @property
+    def staging(self) -> list[Request]:
+        """Admitted requests whose prefill spans several steps."""
+        return self.prefill.staging
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens admitted."""
+        return self.prefill.prompt_tokens
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens admitted that were read from the prefix cache."""
+        return self.prefill.cached_prompt_tokens
 
     @property
     def busy(self) -> bool:
@@ -80,7 +92,7 @@ class Scheduler:
         return bool(self.running or self.staging or (admit and self.waiting))
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.prefill.waiting.append(request)
 
     def weights_changed(self, version: int | None) -> None:
         """Forget keys and values of the old weights; restamp if given a version."""
@@ -92,76 +104,16 @@ class Scheduler:
     def step(self, admit: bool) -> None:
         """One prefill forward (admitting waiting requests if `admit`), then one decode."""
         outbox: Outbox = {}
-        self._prefill(outbox, admit)
+        rows = self.prefill.plan(
+            admit=admit, running=len(self.running), weights_epoch=self.weights_epoch
+        )
+        if rows:
+            self._run_prefill(rows, outbox)
         if self.running:
             self._decode(outbox)
         _emit(outbox)
 
     # ---- prefill -------------------------------------------------------------
-
-    def _prefill(self, outbox: Outbox, admit: bool) -> None:
-        """Admit waiting requests and run one batched prefill forward."""
-        chunk_size = self.config.prefill_chunk_size
-        rows: list[Row] = []
-        for request in self.staging:
-            end = min(len(request.prompt), request.prefilled + chunk_size)
-            rows.append((request, request.staging_slot, request.prefilled, end))
-        if admit:
-            self._admit(rows)
-        if rows:
-            self._run_prefill(rows, outbox)
-
-    def _admit(self, rows: list[Row]) -> None:
-        """Move waiting requests into this step's prefill while slots and budget allow."""
-        chunk_size = self.config.prefill_chunk_size
-        budget = self.config.prefill_token_budget
-        next_slot = len(self.running)
-        reserved = sum(r.params.n for r in self.staging)  # decode slots staged prompts will take
-        free = self.config.max_num_seqs - len(self.running) - reserved
-        pending: set = set()  # prefix blocks this step's rows will compute
-        while self.waiting:
-            request = self.waiting[0]
-            n, length = request.params.n, len(request.prompt)
-            if n > free:
-                break
-            # the last prompt token is always computed: its logits start the completion
-            hits, missing = self.prefix_cache.lookup(request.prompt, length - 1)
-            if missing is not None and missing in pending:
-                break  # a row of this step computes the same blocks: reuse them next step
-            cached = len(hits) * PREFIX_BLOCK
-            remaining = length - cached
-            widest = max([remaining] + [e - s for _, _, s, e in rows])
-            if rows and widest * (len(rows) + 1) > budget:
-                break
-            if remaining <= chunk_size:
-                slot = next_slot
-                rows.append((request, slot, cached, length))
-                next_slot += n
-            else:
-                slot = self._stage(request, cached)
-                if slot is None:
-                    break
-                rows.append((request, slot, cached, cached + chunk_size))
-            self.prefix_cache.load(hits, slot)
-            request.weights_epoch = self.weights_epoch
-            self.prompt_tokens += length
-            self.cached_prompt_tokens += cached
-            if missing is not None:
-                pending.add(missing)
-            free -= n
-            self.waiting.popleft()
-
-    def _stage(self, request: Request, cached: int) -> int | None:
-        """Give a long prompt a free staging slot (None when all are taken)."""
-        used = {r.staging_slot for r in self.staging}
-        base = self.config.max_num_seqs
-        spare = [s for s in range(base, base + STAGING_SLOTS) if s not in used]
-        if not spare:
-            return None
-        request.staging_slot = spare[0]
-        request.prefilled = cached
-        self.staging.append(request)
-        return request.staging_slot
 
     def _run_prefill(self, rows: list[Row], outbox: Outbox) -> None:
         """One forward over every row; prompts that are complete start their samples."""
@@ -176,13 +128,11 @@ class Scheduler:
             self.prefix_cache.store(request.prompt, slot, end)
             self._start_samples(request, slot, logits[i], outbox)
         for i, (request, slot, _, end) in staged:
-            request.prefilled = end
-            if end == len(request.prompt):
-                if request.weights_epoch == self.weights_epoch:
-                    self.prefix_cache.store(request.prompt, slot, end)
-                self.staging.remove(request)
-                request.staging_slot = -1
-                self._start_samples(request, slot, logits[i], outbox)
+            if not self.prefill.advance(request, end):
+                continue  # more chunks next step
+            if request.weights_epoch == self.weights_epoch:
+                self.prefix_cache.store(request.prompt, slot, end)
+            self._start_samples(request, slot, logits[i], outbox)
 
     def _start_samples(self, request: Request, source_slot: int, logits, outbox: Outbox) -> None:
         """Place a prefilled request's samples in decode slots and sample their first tokens."""
@@ -295,10 +245,7 @@ class Scheduler:
 
     def _drop(self, request: Request) -> list[Sample]:
         """Take a request out of every queue and the batch; its samples that were open."""
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if request in self.staging:
-            self.staging.remove(request)
+        self.prefill.remove(request)
         open_samples = [s for s in request.samples if not s.done]
         self._remove_samples(open_samples)
         for s in open_samples:
@@ -307,7 +254,7 @@ class Scheduler:
         return open_samples
 
     def _all_requests(self) -> list[Request]:
-        requests = list(self.waiting) + list(self.staging) + [s.request for s in self.running]
+        requests = self.prefill.requests() + [s.request for s in self.running]
         return list(dict.fromkeys(requests))
 
     def abort_all(self) -> None:
@@ -322,8 +269,7 @@ class Scheduler:
                 s.done = True
             self.live.pop(request.id, None)
             _raise_in_consumer(request, exc)
-        self.waiting.clear()
-        self.staging.clear()
+        self.prefill.clear()
         self.running.clear()
 
 

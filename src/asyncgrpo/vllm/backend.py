@@ -46,6 +46,7 @@ from asyncgrpo.config import ConfigError, EngineConfig
 from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.transport import make_transport
 from asyncgrpo.vllm.client import NO_RETRY, VLLMClient
+from asyncgrpo.vllm.generate_request import seeds_are_safe
 from asyncgrpo.vllm.launcher import VLLMServer, warn_if_exposed, weight_backend
 from asyncgrpo.vllm.lora import AdapterLoader, adapter_or_weights, adapter_root
 
@@ -165,8 +166,7 @@ class VLLMBackend:
                 "which this run (engine.max_lora_rank) publishes: start it with --enable-lora "
                 "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
             )
-        device = str((config.get("device_config") or {}).get("device", "cpu"))
-        self.client.send_seed = device != "cpu"
+        self.client.send_seed = seeds_are_safe((config.get("device_config") or {}).get("device"))
 
     async def _start_gateway(self) -> None:
         if self.gateway is None:

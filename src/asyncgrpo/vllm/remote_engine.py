@@ -10,10 +10,11 @@ the weight version that sampled it (vLLM's version spans, expanded).
 Only the tokenizer and the model config are loaded here, never the weights.
 Stop strings and stop tokens are matched by vLLM, which, like the embedded
 engine, keeps every sampled token up to the one that completes the stop (the
-server cuts the text). Each request is salted with vLLM's current weight label
-(read from `/weight_info` just before), so no prompt prefix cached under older
-weights is reused: the prefix-cache reset at a sync does nothing while requests
-are running (vLLM refuses it then), and agents' requests often are.
+server cuts the text). The request body is `generate_request.generate_request`'s,
+as the trainer's `VLLMClient`'s: each request is salted with vLLM's current
+weight label (read from `/weight_info` just before), so no prompt prefix cached
+under older weights is reused: the prefix-cache reset at a sync does nothing
+while requests are running (vLLM refuses it then), and agents' requests often are.
 
 Where this departs from the embedded engine:
 - A request's tokens arrive in one piece when vLLM finishes it: vLLM reports
@@ -45,7 +46,8 @@ from asyncgrpo.client.engine_client import EngineProtocolError
 from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.types import EngineError, SamplingParams, TokenDelta
-from asyncgrpo.vllm.client import GENERATE_PATH, sample_from_choice
+from asyncgrpo.vllm.client import sample_from_choice
+from asyncgrpo.vllm.generate_request import GENERATE_PATH, generate_request, seeds_are_safe
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ class Upstream:
 
     @property
     def seeds_are_safe(self) -> bool:
-        return self.device not in (None, "cpu")
+        return seeds_are_safe(self.device)
 
 
 class RemoteEngine:
@@ -141,13 +143,14 @@ class RemoteEngine:
         """One delta per sample, each with all its tokens, once vLLM finishes the request."""
         self.check_request(prompt_ids, params)
         rid = request_id or f"gateway-{uuid.uuid4().hex}"
-        body = {
-            "request_id": rid,
-            "token_ids": list(prompt_ids),
-            "sampling_params": vllm_sampling_params(params, self.upstream),
-        }
-        if self.upstream.labelled:
-            body["cache_salt"] = await self._weight_salt()
+        body = generate_request(
+            prompt_ids,
+            params,
+            send_seed=self.upstream.seeds_are_safe,
+            weight_label=await self._weight_label() if self.upstream.labelled else None,
+            max_logprobs=self.upstream.max_logprobs,
+            request_id=rid,
+        )
         self._live.add(rid)
         try:
             data = await self._post_generate(body)
@@ -166,15 +169,15 @@ class RemoteEngine:
         self._abort_upstream(live)
         return len(live)
 
-    async def _weight_salt(self) -> str:
-        """A prefix-cache salt naming the weights vLLM samples with now."""
+    async def _weight_label(self) -> str:
+        """vLLM's label of the weights it samples with now (what salts the request)."""
         response = await self._send("GET", WEIGHT_INFO)
         if response.status_code != 200:
             raise upstream_error(response, self.upstream_url)
-        version = _json_object(response).get("weight_version")
-        if version is None:
+        label = _json_object(response).get("weight_version")
+        if label is None:
             raise EngineError(f"vLLM at {self.upstream_url}: /weight_info has no version", 502)
-        return f"asyncgrpo-{version}"
+        return str(label)
 
     async def _post_generate(self, body: dict) -> dict:
         response = await self._send("POST", GENERATE_PATH, json=body)
@@ -279,29 +282,6 @@ def _context_limit(config: EngineConfig, upstream: Upstream) -> int:
 
 
 # ---- request and response mapping ------------------------------------------------------
-
-
-def vllm_sampling_params(params: SamplingParams, upstream: Upstream) -> dict:
-    """vLLM's `sampling_params` for ours. Stop strings are matched by vLLM on text decoded
-    with special tokens kept, as the embedded engine does."""
-    sampling = {
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
-        "n": params.n,
-        "stop": list(params.stop),
-        "stop_token_ids": list(params.stop_token_ids),
-        "ignore_eos": params.ignore_eos,
-        "skip_special_tokens": False,
-        # 0: the sampled token's log-prob only; k: one more, see `ranked`
-        "logprobs": min(params.top_logprobs + 1, upstream.max_logprobs)
-        if params.top_logprobs
-        else 0,
-    }
-    if params.seed is not None:
-        sampling["seed"] = params.seed
-    return sampling
 
 
 def token_delta(choice: dict, top_logprobs: int) -> TokenDelta:
