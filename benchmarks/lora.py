@@ -88,8 +88,8 @@ def build_trainer(args, model_dir: Path):
     from transformers import AutoModelForCausalLM
 
     from asyncgrpo.config import AdvantageConfig, LoraConfig, LossConfig, TrainerConfig
-    from asyncgrpo.trainer.loop import PolicyTrainer
     from asyncgrpo.trainer.lora import apply_lora
+    from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if args.worker == "lora":

@@ -31,7 +31,7 @@ from asyncgrpo.backend import EngineDied
 from asyncgrpo.backend.external import ExternalBackend
 from asyncgrpo.config import EngineConfig
 from asyncgrpo.testing import engine_children, even_token_reward, tiny_prompt_rows
-from asyncgrpo.trainer import loop as trainer_loop
+from asyncgrpo.trainer import policy_trainer as trainer_loop
 
 ENGINE_SETTINGS = {"max_model_len": 128}
 

@@ -30,7 +30,7 @@ from asyncgrpo.client.engine_client import EngineClient
 from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.testing import even_token_reward, tiny_prompt_rows
-from asyncgrpo.trainer import loop as trainer_loop
+from asyncgrpo.trainer import policy_trainer as trainer_loop
 
 STEPS = 20
 

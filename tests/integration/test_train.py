@@ -37,7 +37,7 @@ from asyncgrpo.testing import (
     failing_on_flag_reward,
     tiny_prompt_rows,
 )
-from asyncgrpo.trainer import loop as trainer_loop
+from asyncgrpo.trainer import policy_trainer as trainer_loop
 
 
 def base_config(tmp_path: Path, model_dir: Path, name: str, **overrides) -> dict:

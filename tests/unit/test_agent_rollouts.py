@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncgrpo.agents.runner import EpisodeOutcome
-from asyncgrpo.agents.trajectory import EpisodeMetrics, Sample, StopReason
+from asyncgrpo.agents.trajectory import BranchSequence, EpisodeMetrics, StopReason
 from asyncgrpo.config import ConfigError, build_config
 from asyncgrpo.coordinator.buffer import RolloutBuffer
 from asyncgrpo.rollout.episodes import (
@@ -19,14 +19,14 @@ from asyncgrpo.rollout.episodes import (
 )
 from asyncgrpo.rollout.orchestrator import Orchestrator
 from asyncgrpo.rollout.types import Group, Rollout
-from asyncgrpo.trainer.loop import sampled_mask
+from asyncgrpo.trainer.policy_trainer import sampled_mask
 
 
-def two_turn_sample(base: int, version: int = 3) -> Sample:
+def two_turn_sample(base: int, version: int = 3) -> BranchSequence:
     """prompt (3) | sampled (2) | tool result (2) | sampled (2)."""
     ids = [1, 2, 3, base, base + 1, 90, 91, base + 2, base + 3]
     mask = [0, 0, 0, 1, 1, 0, 0, 1, 1]
-    return Sample(
+    return BranchSequence(
         input_ids=ids,
         loss_mask=mask,
         logprobs=[-0.5 if m else 0.0 for m in mask],
@@ -167,7 +167,7 @@ def test_trainer_ignores_inserted_tokens():
     """Changing the tokens and log-probs at mask-0 positions changes neither loss nor gradient."""
     from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
     from asyncgrpo.testing import build_tiny_llama
-    from asyncgrpo.trainer.loop import PolicyTrainer
+    from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
     def run(inserted_logprob: float) -> tuple[float, torch.Tensor]:
         model = build_tiny_llama(64, seed=1)

@@ -31,7 +31,7 @@ from asyncgrpo.agents.runner import (
     training_row,
 )
 from asyncgrpo.agents.tools import ToolBox
-from asyncgrpo.agents.trajectory import Sample, StopReason
+from asyncgrpo.agents.trajectory import BranchSequence, StopReason
 from asyncgrpo.client import EngineClient, EngineUnavailableError
 from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.types import EngineError, TokenDelta
@@ -579,7 +579,7 @@ def test_classify_exceptions():
 
 
 def test_training_row_splits_at_the_first_sampled_token():
-    sample = Sample(
+    sample = BranchSequence(
         [1, 2, 3, 4, 5, 6], [0, 0, 1, 0, 1, 1], [0, 0, -1, 0, -2, -3], [-1, -1, 4, -1, 5, 5], 0
     )
     row = training_row(sample)

@@ -150,7 +150,7 @@ def groups_by_hand() -> list[Group]:
 
 
 def test_trainer_step_changes_only_the_adapter():
-    from asyncgrpo.trainer.loop import PolicyTrainer
+    from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
     model = lora_model(randomize_b=False)  # as training starts: B = 0
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -15,7 +15,7 @@ import torch
 from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig, load_config
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.testing import build_tiny_llama
-from asyncgrpo.trainer.loop import PolicyTrainer
+from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 from asyncgrpo.trainer.reference import make_reference
 
 VOCAB, SEED, TEMPERATURE = 64, 3, 0.7

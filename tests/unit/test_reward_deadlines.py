@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from asyncgrpo.rollout.rewards import (
-    RewardError,
+    RewardFunctionError,
     RewardRunner,
     RewardSpecError,
     RewardTimeout,
@@ -123,7 +123,7 @@ def test_a_worker_that_crashes_fails_only_its_own_call(tmp_path):
     runner = RewardRunner([segfault], timeout_s=30, workers="process", num_workers=1)
     other = RewardRunner([hang_or_answer], timeout_s=30, workers="process", num_workers=1)
     try:
-        with pytest.raises(RewardError, match=r"'segfault' crashed: .* signal SIGSEGV"):
+        with pytest.raises(RewardFunctionError, match=r"'segfault' crashed: .* signal SIGSEGV"):
             score(runner, row)
         assert score(other, row) == [[1.0, 1.0]]
     finally:
@@ -133,7 +133,9 @@ def test_a_worker_that_crashes_fails_only_its_own_call(tmp_path):
 
 def test_a_timeout_error_raised_by_the_function_is_an_error_not_a_missed_deadline():
     runner = RewardRunner([raises_timeout_error], timeout_s=30)
-    with pytest.raises(RewardError, match=r"'raises_timeout_error' raised TimeoutError") as info:
+    with pytest.raises(
+        RewardFunctionError, match=r"'raises_timeout_error' raised TimeoutError"
+    ) as info:
         score(runner)
     assert not isinstance(info.value, RewardTimeout)
 

@@ -6,7 +6,12 @@ import threading
 import numpy as np
 import pytest
 
-from asyncgrpo.rollout.rewards import RewardError, RewardFailure, RewardRunner, RewardSpecError
+from asyncgrpo.rollout.rewards import (
+    RewardFailure,
+    RewardFunctionError,
+    RewardRunner,
+    RewardSpecError,
+)
 from asyncgrpo.tasks.arithmetic import arithmetic_reward
 
 CHAT_ROW = {"prompt": [{"role": "user", "content": "What is 3 + 4?"}], "answer": "7", "level": 2}
@@ -93,7 +98,7 @@ def test_unusable_outputs_are_errors_naming_the_function(result, message):
     def bad(prompts, completions, **kw):
         return result
 
-    with pytest.raises(RewardError, match=message):
+    with pytest.raises(RewardFunctionError, match=message):
         score(RewardRunner([bad]))
 
 
@@ -101,7 +106,7 @@ def test_exceptions_propagate_as_reward_errors_with_the_cause_chained():
     async def broken(prompts, completions, **kw):
         raise ZeroDivisionError("division by zero in my verifier")
 
-    with pytest.raises(RewardError, match=r"'broken' raised ZeroDivisionError") as info:
+    with pytest.raises(RewardFunctionError, match=r"'broken' raised ZeroDivisionError") as info:
         score(RewardRunner([lambda prompts, completions, **kw: [0.0] * 3, broken]))
     assert isinstance(info.value, RewardFailure), "the orchestrator's failure type"
     assert isinstance(info.value.__cause__, ZeroDivisionError)

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from asyncgrpo.backend.base import EngineBackend
-from asyncgrpo.client.engine_client import Completion, Sample
+from asyncgrpo.client.engine_client import Completion, Continuation
 from asyncgrpo.config import AdvantageConfig, RunConfig, build_config
 from asyncgrpo.coordinator.buffer import RolloutBuffer
 from asyncgrpo.metrics.tracker import MetricsTracker, read_metrics
@@ -514,12 +514,14 @@ class AbortingClient:
         )
         if len(self.calls) == 1:
             samples = [
-                Sample([10 * (i + 1), 10 * (i + 1) + 1], [-0.1, -0.2], [0, 0], "abort")
+                Continuation([10 * (i + 1), 10 * (i + 1) + 1], [-0.1, -0.2], [0, 0], "abort")
                 for i in range(n)
             ]
         else:
             base = prompt_ids[-1] + 1  # continue from the sample's own last token
-            samples = [Sample([base, base + 1, base + 2], [-0.3, -0.4, -0.5], [1, 1, 1], "stop")]
+            samples = [
+                Continuation([base, base + 1, base + 2], [-0.3, -0.4, -0.5], [1, 1, 1], "stop")
+            ]
         return Completion(samples, list(prompt_ids))
 
 
@@ -581,7 +583,9 @@ class AnsweringClient:
     """Every call: `n` finished samples of two tokens."""
 
     async def complete(self, prompt_ids, *, n=1, max_tokens=16, **sampling) -> Completion:
-        return Completion([Sample([5, 6], [-0.1, -0.2], [0, 0], "stop")] * n, list(prompt_ids))
+        return Completion(
+            [Continuation([5, 6], [-0.1, -0.2], [0, 0], "stop")] * n, list(prompt_ids)
+        )
 
 
 def nan_reward(prompts, completions, **kw):

@@ -1,4 +1,4 @@
-"""The trainer's per-step metrics that come from the batch itself (`trainer/loop.py`).
+"""The trainer's per-step metrics that come from the batch itself (`trainer/policy_trainer.py`).
 
 Per-token staleness: every sampled token is aged by the version that sampled it, so a
 completion that a weight sync split mid-generation counts each part at its own version.
@@ -15,7 +15,7 @@ import pytest
 from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.testing import build_tiny_llama
-from asyncgrpo.trainer.loop import PolicyTrainer, batch_metrics
+from asyncgrpo.trainer.policy_trainer import PolicyTrainer, batch_metrics
 
 
 def split_batch() -> list[Rollout]:

@@ -11,12 +11,12 @@ import logging
 import pytest
 import torch
 
-from asyncgrpo.client.engine_client import Completion, Sample
+from asyncgrpo.client.engine_client import Completion, Continuation
 from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig, build_config
 from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.testing import build_tiny_llama
-from asyncgrpo.trainer.loop import PolicyTrainer
+from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 from asyncgrpo.wiring import _builder
 
 # ---- mask_truncated_completions ------------------------------------------------------
@@ -114,7 +114,7 @@ class RecordingClient:
 
     async def complete(self, prompt_ids, *, n=1, max_tokens=16, **sampling) -> Completion:
         self.prompts.append(list(prompt_ids))
-        samples = [Sample([7, 8 + i], [-0.1, -0.2], [0, 0], "stop") for i in range(n)]
+        samples = [Continuation([7, 8 + i], [-0.1, -0.2], [0, 0], "stop") for i in range(n)]
         return Completion(samples, list(prompt_ids))
 
 

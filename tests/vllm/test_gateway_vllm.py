@@ -41,7 +41,7 @@ from asyncgrpo.config import EngineConfig, build_config
 from asyncgrpo.engine.process import EngineProcess, free_port
 from asyncgrpo.rollout import episodes as episodes_mod
 from asyncgrpo.run import train
-from asyncgrpo.trainer import loop as trainer_loop
+from asyncgrpo.trainer import policy_trainer as trainer_loop
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]

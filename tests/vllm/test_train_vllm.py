@@ -21,7 +21,7 @@ from conftest import descendants, require_vllm
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.testing import even_token_reward, tiny_prompt_rows
-from asyncgrpo.trainer import loop as trainer_loop
+from asyncgrpo.trainer import policy_trainer as trainer_loop
 
 pytestmark = pytest.mark.vllm
 

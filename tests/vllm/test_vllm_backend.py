@@ -256,7 +256,7 @@ def test_a_split_completion_reaches_the_trainers_batch_with_its_versions(smollm2
     from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
     from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
     from asyncgrpo.testing import build_tiny_llama
-    from asyncgrpo.trainer.loop import PolicyTrainer
+    from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
     backend, model_dir = smollm2
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

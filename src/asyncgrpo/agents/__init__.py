@@ -19,11 +19,11 @@ from asyncgrpo.agents.toolcalls import (
 )
 from asyncgrpo.agents.tools import ToolBox, ToolResult, tool_schema
 from asyncgrpo.agents.trajectory import (
+    BranchSequence,
     Call,
     ChatRenderer,
     EpisodeMetrics,
     EpisodeResult,
-    Sample,
     StopReason,
     TrajectoryBuilder,
     build_samples,
@@ -36,7 +36,7 @@ __all__ = [
     "EpisodeMetrics",
     "EpisodeResult",
     "ParseResult",
-    "Sample",
+    "BranchSequence",
     "StopReason",
     "ToolBox",
     "ToolCall",

@@ -60,4 +60,4 @@ def reward_scope():
         raise RewardError(f"reward computation failed: {type(exc).__name__}: {exc}") from exc
 
 
-Rollout = Callable[[dict, LLM], Awaitable["float | Result"]]
+RolloutFn = Callable[[dict, LLM], Awaitable["float | Result"]]

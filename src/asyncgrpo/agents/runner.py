@@ -54,10 +54,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from asyncgrpo.agents.rollout_api import LLM, Result, RewardError, Rollout
+from asyncgrpo.agents.rollout_api import LLM, Result, RewardError, RolloutFn
 from asyncgrpo.agents.rollout_api import reward_scope as reward_scope  # re-exported
 from asyncgrpo.agents.tools import ToolBox
-from asyncgrpo.agents.trajectory import EpisodeMetrics, EpisodeResult, Sample, StopReason
+from asyncgrpo.agents.trajectory import BranchSequence, EpisodeMetrics, EpisodeResult, StopReason
 from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ def _checked_failure_rewards(failure_rewards: Mapping[str, float] | None) -> dic
 
 async def run_episode(
     client,
-    rollout_fn: Rollout,
+    rollout_fn: RolloutFn,
     task: dict,
     *,
     max_turns: int | None = None,
@@ -165,7 +165,7 @@ async def run_episode(
 
 
 async def _run_rollout(
-    client, episode_id: str, rollout_fn: Rollout, task: dict, llm: LLM, timeout_s: float | None
+    client, episode_id: str, rollout_fn: RolloutFn, task: dict, llm: LLM, timeout_s: float | None
 ) -> _Ended:
     """Run the rollout under the episode timeout and say how it ended (`_Ended`).
 
@@ -209,7 +209,7 @@ def _outcome(
     return EpisodeOutcome(
         reward,
         reason,
-        [Sample(**s) for s in closed["samples"]],
+        [BranchSequence(**s) for s in closed["samples"]],
         EpisodeMetrics(**closed["metrics"]),
         episode_id=episode_id,
         error=error,
@@ -217,7 +217,7 @@ def _outcome(
     )
 
 
-def training_row(sample: Sample) -> dict[str, list]:
+def training_row(sample: BranchSequence) -> dict[str, list]:
     """A sample in the trainer's prompt/completion form.
 
     The prompt is everything before the first sampled token; the completion is
@@ -420,7 +420,7 @@ async def run_environment(
 
 def environment_rollout(
     make_env: Callable[[], Environment], max_turns: int = 8, **create_kwargs: Any
-) -> Rollout:
+) -> RolloutFn:
     """A rollout function (for `run_episode`) that plays a fresh `make_env()` per episode."""
 
     async def rollout(task: dict, llm: LLM) -> Result:

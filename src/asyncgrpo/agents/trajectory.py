@@ -75,7 +75,7 @@ class Call:
 
 
 @dataclass
-class Sample:
+class BranchSequence:
     """One training sequence (one branch of an episode)."""
 
     input_ids: list[int]  # (T,)
@@ -104,7 +104,7 @@ class EpisodeMetrics:
 class EpisodeResult:
     reward: float | None
     stop_reason: StopReason
-    samples: list[Sample]
+    samples: list[BranchSequence]
     metrics: EpisodeMetrics = field(default_factory=EpisodeMetrics)
 
     @property
@@ -353,7 +353,7 @@ class TrajectoryBuilder:
                     return index, end, bridge
         return None
 
-    def samples(self) -> list[Sample]:
+    def samples(self) -> list[BranchSequence]:
         """One sample per branch; a branch whose tokens prefix another's is merged into it."""
         kept = list(self.branches)
         merged: set[int] = set()
@@ -367,7 +367,7 @@ class TrajectoryBuilder:
                     merged.add(i)
                     break
         return [
-            Sample(b.ids, b.mask, b.logprobs, b.versions, i, b.last.finish_reason)
+            BranchSequence(b.ids, b.mask, b.logprobs, b.versions, i, b.last.finish_reason)
             for i, b in enumerate(kept)
             if i not in merged
         ]
@@ -422,7 +422,7 @@ def next_prompt_ids(
     return ChatRenderer(tokenizer, tools, chat_template_kwargs).prompt_ids(messages)
 
 
-def build_samples(calls: list[Call], tokenizer=None) -> list[Sample]:
+def build_samples(calls: list[Call], tokenizer=None) -> list[BranchSequence]:
     """The samples of an episode from its recorded calls, in order."""
     builder = TrajectoryBuilder(tokenizer)
     for call in calls:

@@ -2,9 +2,9 @@
 
 from asyncgrpo.client.engine_client import (
     Completion,
+    Continuation,
     EngineClient,
     EngineProtocolError,
-    Sample,
 )
 from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError, RetryPolicy
 
@@ -15,5 +15,5 @@ __all__ = [
     "EngineProtocolError",
     "EngineUnavailableError",
     "RetryPolicy",
-    "Sample",
+    "Continuation",
 ]

@@ -27,7 +27,7 @@ UNKNOWN_VERSION = -1
 
 
 @dataclass
-class Sample:
+class Continuation:
     """One sampled continuation: ids, their log-probs and the weight version of each token."""
 
     token_ids: list[int]
@@ -42,7 +42,7 @@ class Sample:
 class Completion:
     """The `n` samples of one prompt, plus the prompt's token ids as the engine saw them."""
 
-    samples: list[Sample]
+    samples: list[Continuation]
     prompt_token_ids: list[int]
     id: str = ""
     usage: dict = field(default_factory=dict)
@@ -313,7 +313,7 @@ def _chat_completion(data: dict) -> Completion:
     )
 
 
-def _sample(choice: dict, logprobs: list[float] | None, text: str) -> Sample:
+def _sample(choice: dict, logprobs: list[float] | None, text: str) -> Continuation:
     token_ids = choice.get("token_ids")
     if token_ids is None or logprobs is None:
         raise EngineProtocolError(
@@ -327,7 +327,7 @@ def _sample(choice: dict, logprobs: list[float] | None, text: str) -> Sample:
             f"choice {choice.get('index')}: {len(token_ids)} token ids, {len(logprobs)} log-probs "
             f"and {len(versions)} versions"
         )
-    return Sample(
+    return Continuation(
         list(token_ids),
         [float(x) for x in logprobs],
         [int(v) for v in versions],

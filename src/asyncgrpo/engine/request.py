@@ -23,7 +23,7 @@ SEED_MODULUS = 2**64  # torch.Generator seeds are 64-bit: seed + i wraps instead
 
 
 @dataclass(eq=False)
-class Sample:
+class SampleState:
     """One of a request's `n` completions; `slot` is its decode slot while it runs."""
 
     request: Request
@@ -44,7 +44,7 @@ class Request:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[SampleState] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens already in the cache (chunked prefill)
     staging_slot: int = -1
     max_tokens: int = 0
@@ -68,5 +68,5 @@ class Request:
             row = RowParams.sanitised(
                 params.temperature, params.top_p, params.top_k, gen, params.top_logprobs, vocab
             )
-            request.samples.append(Sample(request, i, row))
+            request.samples.append(SampleState(request, i, row))
         return request

@@ -31,7 +31,7 @@ import torch
 from asyncgrpo.config import EngineConfig
 from asyncgrpo.engine.prefill import PrefillQueue, Row
 from asyncgrpo.engine.prefix_cache import PrefixCache
-from asyncgrpo.engine.request import Request, Sample
+from asyncgrpo.engine.request import Request, SampleState
 from asyncgrpo.engine.runner import ModelRunner
 from asyncgrpo.engine.sampling import NonFiniteLogits, sample
 from asyncgrpo.engine.types import EngineError, TokenDelta
@@ -58,7 +58,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.prefill = PrefillQueue(config, prefix_cache)  # waiting and staged requests
-        self.running: list[Sample] = []  # index == decode slot
+        self.running: list[SampleState] = []  # index == decode slot
         self.live: dict[str, Request] = {}  # every request not yet finished, by id
         self.weight_version = 0  # stamped on every sampled token
         self.weights_epoch = 0  # bumped by every weight update
@@ -156,7 +156,7 @@ class Scheduler:
             s.cache_len += 1
         self._sample(list(running), logits, outbox)
 
-    def _sample(self, samples: list[Sample], logits: torch.Tensor, outbox: Outbox) -> None:
+    def _sample(self, samples: list[SampleState], logits: torch.Tensor, outbox: Outbox) -> None:
         """Draw the next token of every sample (logits: (B, V), row j for samples[j])."""
         try:
             out = sample(logits, [s.row for s in samples])
@@ -166,7 +166,7 @@ class Scheduler:
             return
         self._record(samples, out, outbox)
 
-    def _sample_each_request(self, samples: list[Sample], logits, outbox: Outbox) -> None:
+    def _sample_each_request(self, samples: list[SampleState], logits, outbox: Outbox) -> None:
         """Sample each request's rows alone; fail only the requests whose rows raise.
 
         Sampling checks settings and logits before it draws from any seeded generator,
@@ -185,7 +185,7 @@ class Scheduler:
                 continue
             self._record(mine, out, outbox)
 
-    def _record(self, samples: list[Sample], out, outbox: Outbox) -> None:
+    def _record(self, samples: list[SampleState], out, outbox: Outbox) -> None:
         finished = []
         version = self.weight_version
         for j, s in enumerate(samples):
@@ -204,7 +204,7 @@ class Scheduler:
                     self._cache_conversation(s)
         self._remove_samples(finished)
 
-    def _cache_conversation(self, s: Sample) -> None:
+    def _cache_conversation(self, s: SampleState) -> None:
         """Keep a finished turn's keys and values: an agent's next prompt starts with them.
 
         Only single-sample requests that stopped by themselves (a turn, not a truncated
@@ -215,7 +215,7 @@ class Scheduler:
 
     # ---- leaving the batch ---------------------------------------------------
 
-    def _remove_samples(self, samples: list[Sample]) -> None:
+    def _remove_samples(self, samples: list[SampleState]) -> None:
         """Drop samples from the running batch, keeping decode slots compact (0..B-1)."""
         for s in sorted(samples, key=lambda x: x.slot, reverse=True):
             s.done = True
@@ -243,7 +243,7 @@ class Scheduler:
         self._drop(request)
         _raise_in_consumer(request, exc)
 
-    def _drop(self, request: Request) -> list[Sample]:
+    def _drop(self, request: Request) -> list[SampleState]:
         """Take a request out of every queue and the batch; its samples that were open."""
         self.prefill.remove(request)
         open_samples = [s for s in request.samples if not s.done]
@@ -282,7 +282,7 @@ def _sampling_error(request: Request, exc: Exception) -> EngineError:
     return EngineError(f"sampling failed for this request ({settings}): {exc}", 400)
 
 
-def _finish_reason(s: Sample, token: int, eos_token_ids: set[int], tokenizer):
+def _finish_reason(s: SampleState, token: int, eos_token_ids: set[int], tokenizer):
     """(finish_reason, stop_reason) after `token`; (None, None) while the sample goes on."""
     request = s.request
     if token in request.stop_token_ids:

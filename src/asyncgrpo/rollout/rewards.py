@@ -24,7 +24,7 @@ naming the function, counted as `reward_timeout`.
 
 Outputs are checked: one finite number or None per completion; NaN means None
 ("no opinion", masked by the advantage computation). Anything else — a wrong
-length, a string, an exception, a crashed worker — raises `RewardError` naming
+length, a string, an exception, a crashed worker — raises `RewardFunctionError` naming
 the function, with the original exception chained; the orchestrator counts it
 and drops the group (`rollout.reward_error_policy: drop_group`) or stops the run
 (`abort`). It is never turned into a reward of 0 (REFERENCE.md, bug 15).
@@ -61,7 +61,7 @@ class RewardFailure(Exception):
     reason = "reward_error"  # what the orchestrator counts it as
 
 
-class RewardError(RewardFailure):
+class RewardFunctionError(RewardFailure):
     """A reward function raised or returned something unusable for a group."""
 
 
@@ -231,7 +231,7 @@ class RewardRunner:
             if isinstance(result, asyncio.CancelledError | RewardFailure):
                 raise result
             if isinstance(result, BaseException):
-                raise RewardError(
+                raise RewardFunctionError(
                     f"reward function '{name}' raised {type(result).__name__}: {result}"
                 ) from result
             out.append(check_scores(name, result, n))
@@ -253,7 +253,7 @@ class RewardRunner:
                 f"reward function '{name}' {exc} (rollout.reward_timeout_s)"
             ) from None
         except WorkerCrashed as exc:
-            raise RewardError(f"reward function '{name}' crashed: {exc}") from None
+            raise RewardFunctionError(f"reward function '{name}' crashed: {exc}") from None
 
     def close(self) -> None:
         """Stop the workers without waiting for a stuck call (the process must be able to exit)."""
@@ -285,16 +285,16 @@ def _check_picklable(funcs: list[Callable | None], names: list[str]) -> None:
 
 
 def check_scores(name: str, result: Any, n: int) -> list[float | None]:
-    """`result` as n floats-or-None; NaN becomes None; anything else is a RewardError."""
+    """`result` as n floats-or-None; NaN becomes None; anything else is a RewardFunctionError."""
     if hasattr(result, "tolist") and not isinstance(result, list):
         result = result.tolist()  # numpy array or tensor
     if isinstance(result, str | bytes | dict) or not isinstance(result, Sequence):
-        raise RewardError(
+        raise RewardFunctionError(
             f"reward function '{name}' returned {type(result).__name__}; "
             f"expected a list of {n} numbers (one per completion)"
         )
     if len(result) != n:
-        raise RewardError(
+        raise RewardFunctionError(
             f"reward function '{name}' returned {len(result)} scores for {n} completions"
         )
     scores: list[float | None] = []
@@ -303,7 +303,7 @@ def check_scores(name: str, result: Any, n: int) -> list[float | None]:
             scores.append(None)
             continue
         if not isinstance(value, numbers.Real):
-            raise RewardError(
+            raise RewardFunctionError(
                 f"reward function '{name}' returned {value!r} for completion {i}; "
                 "expected a number or None"
             )
@@ -311,7 +311,9 @@ def check_scores(name: str, result: Any, n: int) -> list[float | None]:
         if math.isnan(value):
             scores.append(None)
         elif math.isinf(value):
-            raise RewardError(f"reward function '{name}' returned {value} for completion {i}")
+            raise RewardFunctionError(
+                f"reward function '{name}' returned {value} for completion {i}"
+            )
         else:
             scores.append(value)
     return scores

@@ -109,7 +109,7 @@ def make_trainer(
 def policy_trainer(cfg: RunConfig, model: torch.nn.Module):
     """The one-process trainer of the recipe's `trainer`, `loss` and `advantage` sections."""
     from asyncgrpo.engine.sampling import GREEDY_BELOW
-    from asyncgrpo.trainer.loop import PolicyTrainer
+    from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
     return PolicyTrainer(
         model,

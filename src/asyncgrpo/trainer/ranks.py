@@ -46,7 +46,7 @@ from asyncgrpo.trainer.distributed import (
     share,
     stop_spawned,
 )
-from asyncgrpo.trainer.loop import PolicyTrainer
+from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 from asyncgrpo.trainer.sharded import full, shard_trainer
 
 logger = logging.getLogger(__name__)

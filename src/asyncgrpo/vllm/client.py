@@ -42,7 +42,12 @@ from typing import Any
 
 import httpx
 
-from asyncgrpo.client.engine_client import Completion, EngineClient, EngineProtocolError, Sample
+from asyncgrpo.client.engine_client import (
+    Completion,
+    Continuation,
+    EngineClient,
+    EngineProtocolError,
+)
 from asyncgrpo.client.retry import EngineHTTPError, RetryPolicy, send_with_retry
 from asyncgrpo.engine.types import SamplingParams
 from asyncgrpo.vllm.generate_request import GENERATE_PATH, generate_request
@@ -88,15 +93,15 @@ def expand_spans(spans: list[dict] | None, n_tokens: int) -> list[int]:
     return versions
 
 
-def sample_from_choice(choice: dict) -> Sample:
-    """One `/inference/v1/generate` choice as a `Sample` (ids, log-probs, versions)."""
+def sample_from_choice(choice: dict) -> Continuation:
+    """One `/inference/v1/generate` choice as a `Continuation` (ids, log-probs, versions)."""
     token_ids = choice.get("token_ids")
     content = (choice.get("logprobs") or {}).get("content")
     if token_ids is None or content is None:
         raise EngineProtocolError(f"choice {choice.get('index')}: no token_ids or logprobs")
     if [entry["token_id"] for entry in content] != list(token_ids):
         raise EngineProtocolError(f"choice {choice.get('index')}: log-probs of other tokens")
-    return Sample(
+    return Continuation(
         list(token_ids),
         [float(entry["logprob"]) for entry in content],
         expand_spans(choice.get("weight_versions"), len(token_ids)),
