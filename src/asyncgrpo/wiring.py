@@ -132,15 +132,7 @@ def build_run(
         cluster = _cluster(cfg, run_dir)
         engine = _engine(cfg, model_dir, run_dir, agent, cluster)
         engine.launch()  # the engine loads its copy of the model while this process loads its own
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = (
-            load_policy(cfg, model_dir)
-            if model is None or isinstance(model, str | Path)
-            else prepare_policy(cfg, model.float())
-        )
+        model, tokenizer = _policy(cfg, model, tokenizer, model_dir)
         tracker = MetricsTracker(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
@@ -160,18 +152,35 @@ def build_run(
             eval_repeats=repeats,
         )
     except BaseException:
-        if rewards is not None:
-            rewards.close()
-        if trainer is not None:
-            trainer.close()
-        if engine is not None:
-            asyncio.run(engine.close())
-        if cluster is not None:
-            cluster.shutdown()
+        _close_started(rewards, trainer, engine, cluster)
         raise
     if cluster is not None:
         run.closers.append(cluster.shutdown)  # after the engines and the ranks
     return run
+
+
+def _policy(cfg: RunConfig, model: Any, tokenizer: Any, model_dir: str) -> tuple[Any, Any]:
+    """(the policy to train, its tokenizer): loaded from `model_dir` unless the API passed
+    them (a model object is trained in fp32)."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if model is None or isinstance(model, str | Path):
+        return load_policy(cfg, model_dir), tokenizer
+    return prepare_policy(cfg, model.float()), tokenizer
+
+
+def _close_started(rewards: Any, trainer: Any, engine: Any, cluster: Any) -> None:
+    """Close what a failed `build_run` had started (None: not started)."""
+    if rewards is not None:
+        rewards.close()
+    if trainer is not None:
+        trainer.close()
+    if engine is not None:
+        asyncio.run(engine.close())
+    if cluster is not None:
+        cluster.shutdown()
 
 
 def _cluster(cfg: RunConfig, run_dir: Path) -> Any:
