@@ -28,7 +28,7 @@ from collections import deque
 
 import torch
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.prefix_cache import BLOCK as PREFIX_BLOCK
 from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.request import Request, Sample
@@ -50,7 +50,7 @@ class Scheduler:
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: EmbeddedEngineConfig,
         runner: ModelRunner,
         prefix_cache: PrefixCache,
         tokenizer,
