@@ -317,10 +317,7 @@ def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func):
         return EpisodeGroupBuilder(
             client, fn, settings, decode, graders=rewards, advantage=cfg.advantage
         )
-    from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
+    from asyncgrpo.rollout.single_turn import SingleTurnBuilder
 
-    r = cfg.rollout
-    sampling = SamplingSettings(
-        r.num_generations, r.max_tokens, r.temperature, r.top_p, cfg.seed, r.max_prompt_length
-    )
+    sampling = cfg.rollout.sampling(cfg.seed)
     return SingleTurnBuilder(client, tokenizer, rewards, sampling, cfg.advantage)

@@ -38,6 +38,7 @@ from asyncgrpo.config.rollout import (
     ModelConfig,
     RolloutConfig,
 )
+from asyncgrpo.config.sampling import SamplingSettings
 from asyncgrpo.config.training import AdvantageConfig, LossConfig, TrainerConfig
 from asyncgrpo.config.trl_names import (
     NO_EQUIVALENT,
@@ -71,6 +72,7 @@ __all__ = [
     "ModelConfig",
     "RolloutConfig",
     "RunConfig",
+    "SamplingSettings",
     "ServedEngineSettings",
     "TrainerConfig",
     "VLLMEngineConfig",
