@@ -132,7 +132,7 @@ def test_help_config_lists_every_field_of_every_type_grouped_by_type():
 
 def test_serve_validates_the_embedded_engine_and_refuses_other_types_fields(tmp_path):
     config_file = tmp_path / "engine.yaml"
-    config_file.write_text("max_num_seqs: 3\nvllm_host: 127.0.0.1\n")
+    config_file.write_text("max_num_seqs: 3\nvllm_host: 0.0.0.0\n")
     args = cli.build_parser().parse_args(["serve", "--config", str(config_file)])
     with pytest.raises(cli.CliError, match="'vllm_host' applies to engine.type: vllm"):
         cli.engine_config(args)
@@ -178,3 +178,34 @@ def test_the_episode_gateway_gets_the_vllm_sections_server_settings():
     )
     assert gateway.max_open_episodes == 7
     assert (gateway.replicas, gateway.weight_transport) == (1, "shm")  # it holds no weights
+
+
+def whole_old_section(**given) -> dict:
+    """An `engine:` section as a `config.yaml` written before the split lists it: every
+    field of every type, at its default unless given."""
+    section = {}
+    for cls in ENGINE_TYPES.values():
+        for name, field in cls.model_fields.items():
+            section.setdefault(name, field.get_default(call_default_factory=True))
+    section.pop("type")
+    return {**section, **given}
+
+
+@pytest.mark.parametrize(
+    ("given", "cls"),
+    [
+        ({"num_threads": 2, "max_model_len": 256}, EmbeddedEngineConfig),
+        ({"type": "vllm", "vllm_python": "/x/python", "max_model_len": 256}, VLLMEngineConfig),
+        ({"type": "external", "base_url": "http://h:1"}, ExternalEngineConfig),
+    ],
+)
+def test_a_run_directorys_older_config_with_every_engine_field_still_loads(tmp_path, given, cls):
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump({"engine": whole_old_section(**given)}))
+    engine = load_config(saved).engine
+    assert type(engine) is cls
+    for key, value in given.items():
+        assert getattr(engine, key) == value, key
+    # a value that says something is still refused
+    with pytest.raises(ConfigError, match="'engine.vllm_host' applies to engine.type: vllm"):
+        build_config({"engine": whole_old_section(vllm_host="10.0.0.1", num_threads=2)})

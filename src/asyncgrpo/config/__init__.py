@@ -50,6 +50,7 @@ from asyncgrpo.config.trl_names import (
 )
 from asyncgrpo.config.variants import (
     describe_engine,
+    drop_unset_keys,
     misplaced,
     switch_type,
     untag,
@@ -227,6 +228,7 @@ def build_config(data: dict, overrides: list[str] = (), model: type[BaseModel] =
     if model is RunConfig:  # TRL's names and flat names, as AsyncGRPOConfig takes them
         data, notes, problems = translate(data, model)
         switch_type(recipe, data)
+    drop_unset_keys(model, data)
     try:
         cfg = model.model_validate(data)
     except ValidationError as exc:

@@ -321,6 +321,18 @@ def other_variant_keys(section: dict[str, Any]) -> list[str]:
     return [key for key in section if key not in own.model_fields and variants_of(key)]
 
 
+def at_other_types_default(section: dict[str, Any]) -> list[str]:
+    """The keys of an engine section that belong to other types and hold their default:
+    they configure nothing, and every `config.yaml` written before the engine section
+    had one class per type lists all of them (a run directory must stay resumable)."""
+
+    def default(key: str) -> Any:
+        field = ENGINE_TYPES[variants_of(key)[0]].model_fields[key]
+        return field.get_default(call_default_factory=True)
+
+    return [key for key in other_variant_keys(section) if section[key] == default(key)]
+
+
 def resolve_dtype(dtype: str) -> str:
     """`auto` -> bfloat16 where bf16 is native (GPU, AVX512-BF16/AMX), float32 elsewhere."""
     if dtype != "auto":

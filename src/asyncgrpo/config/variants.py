@@ -2,7 +2,8 @@
 
 Validation errors inside a variant carry its tag in their path (`engine.vllm.num_threads`);
 `untag` takes it out again, and `misplaced` turns a key of another variant into an error
-that names the type it applies to. `switch_type` keeps `--set engine.type=vllm` on a recipe
+that names the type it applies to; `drop_unset_keys` first leaves out such keys at their
+default, which configure nothing (an older `config.yaml` lists every engine field). `switch_type` keeps `--set engine.type=vllm` on a recipe
 written for the embedded engine working: the recipe's own keys for another type are left
 out, with a warning, while keys given by `--set` are validated as they are. `describe_engine`
 lists the variants' fields for `--help-config`, shared fields first, then each type's.
@@ -18,6 +19,7 @@ from pydantic import BaseModel
 from asyncgrpo.config.engine import (
     ENGINE_TYPES,
     EngineSettings,
+    at_other_types_default,
     other_variant_keys,
     variants_of,
 )
@@ -54,6 +56,18 @@ def misplaced(path: tuple, engine_type: str | None, depth: int | None) -> str | 
 def variant_fields(engine_type: str) -> list[str]:
     """The keys an engine section of `engine_type` takes."""
     return list(ENGINE_TYPES[engine_type].model_fields)
+
+
+def drop_unset_keys(model: type[BaseModel], data: dict) -> None:
+    """Leave out the engine section's keys of other types that hold their defaults (what a
+    whole section dumped by an older asyncgrpo holds): only a value that says something
+    is refused."""
+    if model in ENGINE_TYPES.values():
+        for key in at_other_types_default({"type": model.model_fields["type"].default, **data}):
+            data.pop(key)
+    elif isinstance(data.get(ENGINE), dict):
+        unset = at_other_types_default(data[ENGINE])
+        data[ENGINE] = {k: v for k, v in data[ENGINE].items() if k not in unset}
 
 
 def switch_type(recipe: dict, data: dict) -> list[str]:
