@@ -2,11 +2,12 @@
 
 Validation errors inside a variant carry its tag in their path (`engine.vllm.num_threads`);
 `untag` takes it out again, and `misplaced` turns a key of another variant into an error
-that names the type it applies to; `drop_unset_keys` first leaves out such keys at their
-default, which configure nothing (an older `config.yaml` lists every engine field). `switch_type` keeps `--set engine.type=vllm` on a recipe
-written for the embedded engine working: the recipe's own keys for another type are left
-out, with a warning, while keys given by `--set` are validated as they are. `describe_engine`
-lists the variants' fields for `--help-config`, shared fields first, then each type's.
+that names the type it applies to. `drop_unset_keys` first leaves out such keys at their
+default, which configure nothing (an older `config.yaml` lists every engine field).
+`switch_type` keeps `--set engine.type=vllm` on a recipe written for the embedded engine
+working: the recipe's own keys for another type are left out, with a warning, while keys
+given by `--set` are validated as they are. `describe_engine` lists the variants' fields
+for `--help-config`, shared fields first, then each type's.
 """
 
 from __future__ import annotations
