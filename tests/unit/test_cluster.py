@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from asyncgrpo.config import ConfigError, VLLMEngineConfig, build_config, engine_config
+from asyncgrpo.config import ConfigError, VLLMEngineConfig, build_config, parse_engine_config
 
 
 def test_the_default_is_local_and_the_section_takes_its_keys():
@@ -88,7 +88,7 @@ def test_the_weight_transport_follows_the_placement(engine_type, configured, sam
     from asyncgrpo.cluster.engines import transport_for
 
     exposed = {"allow_unauthenticated_vllm": True} if engine_type == "vllm" else {}
-    cfg = engine_config(
+    cfg = parse_engine_config(
         {"model": "m", "type": engine_type, "weight_transport": configured, **exposed}
     )
     assert transport_for(cfg, same_node) == expected

@@ -18,8 +18,8 @@ from asyncgrpo.config import (
     VLLMEngineConfig,
     build_config,
     describe,
-    engine_config,
     load_config,
+    parse_engine_config,
 )
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
@@ -144,8 +144,8 @@ def test_a_section_travels_as_json_and_comes_back_as_its_own_type():
         ExternalEngineConfig(base_url="http://h:1"),
         VLLMEngineConfig(model="m", vllm_args=["--enforce-eager"]),
     ):
-        assert engine_config(cfg.model_dump_json()) == cfg
-        assert engine_config(cfg.model_dump()) == cfg
+        assert parse_engine_config(cfg.model_dump_json()) == cfg
+        assert parse_engine_config(cfg.model_dump()) == cfg
 
 
 def test_the_run_completes_the_section_for_the_types_that_load_a_model():

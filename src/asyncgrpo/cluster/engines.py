@@ -35,7 +35,7 @@ from asyncgrpo.config import (
     EngineSettings,
     ServedEngineSettings,
     VLLMEngineConfig,
-    engine_config,
+    parse_engine_config,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class EngineActor:
     def __init__(self, cfg_json: str, admin_token: str, log_path: str, model_name: str):
         import ray
 
-        cfg = engine_config(cfg_json)
+        cfg = parse_engine_config(cfg_json)
         if not Path(cfg.model).is_dir():  # no shared filesystem: this node's copy
             from asyncgrpo.models import resolve_model
 

@@ -28,7 +28,7 @@ from asyncgrpo.config.engine import (
     ExternalEngineConfig,
     ServedEngineSettings,
     VLLMEngineConfig,
-    engine_config,
+    parse_engine_config,
     resolve_dtype,
 )
 from asyncgrpo.config.rollout import (
@@ -79,7 +79,7 @@ __all__ = [
     "VLLMEngineConfig",
     "build_config",
     "describe",
-    "engine_config",
+    "parse_engine_config",
     "load_config",
     "resolve_dtype",
 ]

@@ -301,7 +301,7 @@ EngineConfig = Annotated[
 _ENGINE_CONFIG: TypeAdapter[EngineSettings] = TypeAdapter(EngineConfig)
 
 
-def engine_config(data: dict[str, Any] | str | bytes) -> EngineSettings:
+def parse_engine_config(data: dict[str, Any] | str | bytes) -> EngineSettings:
     """An engine section (a mapping, or its JSON) validated as the class of its `type`."""
     if isinstance(data, dict):
         return _ENGINE_CONFIG.validate_python(data)
