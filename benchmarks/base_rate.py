@@ -27,7 +27,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from asyncgrpo.engine.engine import Engine, EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
+from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.types import SamplingParams
 from asyncgrpo.rollout.data import load_prompts, render_prompt
 from asyncgrpo.rollout.rewards import RewardRunner
@@ -131,7 +132,7 @@ async def main_async(args) -> list[dict]:
     model_dir = resolve(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = Engine(
-        EngineConfig(
+        EmbeddedEngineConfig(
             model=model_dir,
             dtype=args.dtype,
             num_threads=args.threads,

@@ -178,7 +178,8 @@ async def score_weights(cfg, files: list[Path], rows: list[dict], threads: int):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from asyncgrpo.engine.engine import Engine, EngineConfig
+    from asyncgrpo.config import EmbeddedEngineConfig
+    from asyncgrpo.engine.engine import Engine
     from asyncgrpo.engine.types import SamplingParams
     from asyncgrpo.models import resolve_model
     from asyncgrpo.rollout.data import render_prompt
@@ -187,7 +188,7 @@ async def score_weights(cfg, files: list[Path], rows: list[dict], threads: int):
     model_dir = str(resolve_model(cfg.model.name_or_path))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = Engine(
-        EngineConfig(
+        EmbeddedEngineConfig(
             model=model_dir,
             dtype=cfg.engine.resolved_dtype(),
             num_threads=threads,

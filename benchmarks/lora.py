@@ -126,9 +126,9 @@ def time_gathers(trainer, dtype, count: int) -> tuple[list[float], int, int]:
 async def time_syncs(args, trainer, model_dir: Path, dtype, count: int) -> dict:
     """Seconds per `sync_weights` to a real embedded engine, and the transfer step's."""
     from asyncgrpo.backend.embedded import EmbeddedBackend
-    from asyncgrpo.config import EngineConfig
+    from asyncgrpo.config import EmbeddedEngineConfig
 
-    cfg = EngineConfig(model=str(model_dir), num_threads=args.engine_threads)
+    cfg = EmbeddedEngineConfig(model=str(model_dir), num_threads=args.engine_threads)
     backend = EmbeddedBackend(cfg)
     try:
         await backend.wait_ready(list(trainer.named_weights(dtype)))
@@ -159,13 +159,13 @@ def reset_peak_rss() -> None:
 def run_worker(args) -> dict:
     import torch
 
-    from asyncgrpo.config import EngineConfig
+    from asyncgrpo.config import EmbeddedEngineConfig
     from asyncgrpo.models import resolve_model
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     trainer, autocast = build_trainer(args, model_dir)
-    dtype = getattr(torch, EngineConfig().resolved_dtype())
+    dtype = getattr(torch, EmbeddedEngineConfig().resolved_dtype())
     groups = make_groups(args, trainer.model.config.vocab_size)
     with torch.no_grad():
         sum(float(p.sum()) for p in trainer.model.parameters())  # page mmap-loaded weights in

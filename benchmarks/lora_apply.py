@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.engine import Engine
 from asyncgrpo.models import resolve_model
 
@@ -125,7 +125,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lora_apply.json"))
     args = parser.parse_args()
 
-    cfg = EngineConfig(model=str(resolve_model("smollm2-135m")), num_threads=1, max_num_seqs=64)
+    cfg = EmbeddedEngineConfig(
+        model=str(resolve_model("smollm2-135m")), num_threads=1, max_num_seqs=64
+    )
     engine = Engine(cfg)
     rows = []
     for batch in args.batches:

@@ -279,13 +279,13 @@ async def run_load(base_url: str, port: int, pid: int, token: str, args) -> dict
 
 def serve_and_load(args, model_dir: str) -> dict:
     """Start `asyncgrpo serve` (an `EngineProcess`: free port, admin token, log), load it."""
-    from asyncgrpo.config import EngineConfig
+    from asyncgrpo.config import EmbeddedEngineConfig
     from asyncgrpo.engine.process import EngineProcess
 
     settings = dict(dtype="float32" if args.tiny else args.dtype, num_threads=args.threads)
     settings |= dict(served_model_name="bench", **dict(kv.split("=", 1) for kv in args.engine))
     proc = EngineProcess(
-        EngineConfig(model=model_dir, **settings), log_path=RESULTS / "server_load.log"
+        EmbeddedEngineConfig(model=model_dir, **settings), log_path=RESULTS / "server_load.log"
     )
     with proc:
         proc.wait_ready(args.server_timeout)
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="an EngineConfig setting of the server, e.g. max_num_seqs=128 (repeatable)",
+        help="an engine setting of the server (EmbeddedEngineConfig), e.g. max_num_seqs=128 (repeatable)",
     )
     parser.add_argument("--request-timeout", type=float, default=600.0, help="per client")
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds to healthy")

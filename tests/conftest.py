@@ -3,7 +3,7 @@ embedded engine process serving it (settings per test module: `ENGINE_SETTINGS`)
 
 import pytest
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.testing import save_tiny_model_dir
 
@@ -16,10 +16,10 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, request):
     """`asyncgrpo serve` on the tiny model, fp32, one thread, plus the module's
-    `ENGINE_SETTINGS` (any `EngineConfig` field)."""
+    `ENGINE_SETTINGS` (any `EmbeddedEngineConfig` field)."""
     settings = dict(dtype="float32", num_threads=1)
     settings.update(getattr(request.module, "ENGINE_SETTINGS", {}))
-    proc = EngineProcess(EngineConfig(model=str(tiny_model_dir), **settings))
+    proc = EngineProcess(EmbeddedEngineConfig(model=str(tiny_model_dir), **settings))
     proc.start()
     try:
         proc.wait_ready(120)

@@ -7,7 +7,8 @@ docstring to a developer.
 launches as a child, and what a user starts by hand to point other tools at);
 with `--upstream-url` the same server fronts a vLLM server instead of loading
 the weights (`asyncgrpo.vllm.remote_engine`).
-Its settings are the fields of `EngineConfig` (a recipe's `engine:` section):
+Its settings are the fields of `EmbeddedEngineConfig` (a recipe's `engine:` section
+of type embedded):
 `--config FILE` reads them from a JSON or YAML file, and every field is also a
 flag (`--max-model-len 2048`) that overrides the file. The defaults are the
 model's own, so a recipe, `asyncgrpo serve` and `Engine` never disagree.
@@ -31,24 +32,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from asyncgrpo.config import ConfigError, EngineConfig, ModelConfig, build_config
+from asyncgrpo.config import ConfigError, EmbeddedEngineConfig, ModelConfig, build_config
 
 TOKEN_ENV = "ASYNCGRPO_ADMIN_TOKEN"
-# EngineConfig fields that describe how a run reaches or launches its engines, not the
-# server itself: `serve` offers no flag for them (a --config file may still hold them)
-CLIENT_SIDE = (
-    "type",
-    "base_url",
-    "admin_token_env",
-    "startup_timeout_s",
-    "weight_transport",
-    "replicas",
-    "vllm_python",
-    "vllm_args",
-    "vllm_env",
-    "vllm_host",
-    "allow_unauthenticated_vllm",
-)
+# EmbeddedEngineConfig fields that describe how a run reaches or launches its engines, not
+# the server itself: `serve` offers no flag for them (a --config file may still hold them);
+# the other engine types' fields are not `serve`'s at all
+CLIENT_SIDE = ("type", "startup_timeout_s", "weight_transport", "replicas")
 DESCRIPTION = """\
 Train a language model with asynchronous GRPO: an inference engine samples completions
 while the trainer learns from the previous ones, then the new weights reach the engine.
@@ -125,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_serve_parser(commands) -> None:
-    """`serve`'s own flags, then one flag per server-side `EngineConfig` field."""
+    """`serve`'s own flags, then one flag per server-side `EmbeddedEngineConfig` field."""
     serve = commands.add_parser(
         "serve",
         help="serve a model (or a run's checkpoint) over an OpenAI-compatible HTTP API",
@@ -151,7 +141,7 @@ def add_serve_parser(commands) -> None:
     serve.add_argument(
         "--log-level", default="warning", help="uvicorn's log level (default: warning)"
     )
-    for name, field in EngineConfig.model_fields.items():
+    for name, field in EmbeddedEngineConfig.model_fields.items():
         if name not in CLIENT_SIDE:
             serve.add_argument(
                 f"--{name.replace('_', '-')}",
@@ -195,7 +185,7 @@ def add_export_parser(commands) -> None:
     )
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace) -> EmbeddedEngineConfig:
     """The file's settings, overridden by the flags given, validated once."""
     import yaml
 
@@ -209,7 +199,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     flags = {k.split(".", 1)[1]: v for k, v in vars(args).items() if k.startswith("engine.")}
     overrides = [f"{key}={value}" for key, value in flags.items()]
     try:
-        return build_config(data, overrides, model=EngineConfig)
+        return build_config(data, overrides, model=EmbeddedEngineConfig)
     except ConfigError as exc:
         raise CliError(str(exc).replace("\n", " ")) from None
 
@@ -226,7 +216,7 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_model(args: argparse.Namespace, cfg: EngineConfig, name: str) -> None:
+def serve_model(args: argparse.Namespace, cfg: EmbeddedEngineConfig, name: str) -> None:
     """Load `cfg.model` and answer requests until interrupted."""
     token = args.admin_token or os.environ.get(TOKEN_ENV) or None
     from asyncgrpo.agents.toolcalls import get_parser
@@ -264,7 +254,7 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_engine(cfg: EngineConfig):
+def build_engine(cfg: EmbeddedEngineConfig):
     """(engine, what generates): the embedded engine, or a vLLM server's with `upstream_url`."""
     from asyncgrpo.engine.types import EngineError
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from asyncgrpo.cli import CliError, resolve_model_dir
 from asyncgrpo.client import EngineClient
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.process import EngineProcess, EngineProcessError
 
 QUESTION = [
@@ -114,7 +114,7 @@ def _serve_demo(args: argparse.Namespace, model_dir: str) -> int:
     log = Path(tempfile.gettempdir()) / "asyncgrpo-demo-engine.log"
     log.unlink(missing_ok=True)
     print(f"starting the engine on {model_dir} (log: {log}) ...", flush=True)
-    config = EngineConfig(
+    config = EmbeddedEngineConfig(
         model=model_dir, dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=8
     )
     proc = EngineProcess(config, log_path=log)

@@ -189,19 +189,14 @@ def _cluster(cfg: RunConfig, run_dir: Path) -> Any:
         return None
     from asyncgrpo.cluster.placement import RayCluster
 
-    return RayCluster(cfg.cluster, run_dir, cfg.engine.replicas, cfg.trainer.num_processes - 1)
+    return RayCluster(cfg.cluster, run_dir, cfg.engine.replica_count, cfg.trainer.num_processes - 1)
 
 
 def _engine(
     cfg: RunConfig, model_dir: str, run_dir: Path, agent: bool, cluster: Any = None
 ) -> EngineBackend:
     lora = cfg.model.lora
-    engine_cfg = cfg.engine.model_copy(
-        update={
-            "model": cfg.engine.model or model_dir,
-            "max_lora_rank": cfg.engine.max_lora_rank or (lora.r if lora else None),
-        }
-    )
+    engine_cfg = cfg.engine.for_run(model_dir, lora.r if lora else None)
     if cluster is not None:
         from asyncgrpo.cluster.engines import ray_engine_backend
 
@@ -245,10 +240,7 @@ def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func):
         return EpisodeGroupBuilder(
             client, fn, settings, decode, graders=rewards, advantage=cfg.advantage
         )
-    from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
+    from asyncgrpo.rollout.single_turn import SingleTurnBuilder
 
-    r = cfg.rollout
-    sampling = SamplingSettings(
-        r.num_generations, r.max_tokens, r.temperature, r.top_p, cfg.seed, r.max_prompt_length
-    )
+    sampling = cfg.rollout.sampling(cfg.seed)
     return SingleTurnBuilder(client, tokenizer, rewards, sampling, cfg.advantage)

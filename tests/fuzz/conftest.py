@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import pytest
 from fuzz_http import Fuzzer
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.process import EngineProcess
 
 GiB = 2**30
@@ -51,7 +51,9 @@ class CappedEngineProcess(EngineProcess):
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir):
-    proc = CappedEngineProcess(EngineConfig(model=str(tiny_model_dir), **FUZZ_ENGINE_SETTINGS))
+    proc = CappedEngineProcess(
+        EmbeddedEngineConfig(model=str(tiny_model_dir), **FUZZ_ENGINE_SETTINGS)
+    )
     proc.start()
     try:
         proc.wait_ready(120)

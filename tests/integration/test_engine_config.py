@@ -1,9 +1,9 @@
 """A recipe's `engine:` section reaches the engine process exactly as written.
 
 The embedded engine is `asyncgrpo serve` in a child process that receives the
-`EngineConfig` as JSON; this starts one on the tiny model with values that differ
+`EmbeddedEngineConfig` as JSON; this starts one on the tiny model with values that differ
 from every default and reads them back from `GET /server_info`. It also checks that
-`asyncgrpo serve` offers a flag for every server-side `EngineConfig` field, so the
+`asyncgrpo serve` offers a flag for every server-side `EmbeddedEngineConfig` field, so the
 command line and a recipe configure the same settings.
 """
 
@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from asyncgrpo import cli
-from asyncgrpo.config import EngineConfig, build_config
+from asyncgrpo.config import EmbeddedEngineConfig, build_config
 from asyncgrpo.engine.process import EngineProcess
 
 RECIPE_ENGINE = {
@@ -30,7 +30,7 @@ RECIPE_ENGINE = {
 
 
 def test_recipe_values_differ_from_the_defaults():
-    defaults = EngineConfig()
+    defaults = EmbeddedEngineConfig()
     for key, value in RECIPE_ENGINE.items():
         if key != "num_threads":  # one thread is the default and what a 2-core test wants
             assert getattr(defaults, key) != value, key
@@ -101,7 +101,9 @@ def serve_flags() -> set[str]:
     return {opt for action in serve._actions for opt in action.option_strings}
 
 
-@pytest.mark.parametrize("name", [n for n in EngineConfig.model_fields if n not in cli.CLIENT_SIDE])
+@pytest.mark.parametrize(
+    "name", [n for n in EmbeddedEngineConfig.model_fields if n not in cli.CLIENT_SIDE]
+)
 def test_serve_has_a_flag_for_every_server_side_engine_field(name):
     assert f"--{name.replace('_', '-')}" in serve_flags()
 
@@ -119,5 +121,5 @@ def test_serve_flags_override_the_config_file_and_validate_as_engine_config(tmp_
 def test_client_side_fields_are_not_serve_flags():
     flags = serve_flags()
     for name in cli.CLIENT_SIDE:
-        assert name in EngineConfig.model_fields
+        assert name in EmbeddedEngineConfig.model_fields
         assert f"--{name.replace('_', '-')}" not in flags

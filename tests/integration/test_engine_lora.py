@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncgrpo.backend.embedded import EmbeddedBackend
 from asyncgrpo.client import EngineHTTPError
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.loop_thread import LoopThread
 
 peft = pytest.importorskip("peft")
@@ -80,7 +80,9 @@ def loop():
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, loop):
-    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1, max_num_seqs=4)
+    cfg = EmbeddedEngineConfig(
+        model=str(tiny_model_dir), dtype="float32", num_threads=1, max_num_seqs=4
+    )
     backend = EmbeddedBackend(cfg)
     try:
         loop.run(backend.wait_ready())

@@ -13,14 +13,14 @@ import threading
 
 import pytest
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.process import EngineProcess, EngineProcessError
 from asyncgrpo.testing import engine_children
 
 
 @pytest.fixture
 def engine(tiny_model_dir):
-    cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1)
+    cfg = EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1)
     with EngineProcess(cfg) as proc:  # started; closed at the end
         proc.wait_ready(120)
         yield proc

@@ -29,7 +29,7 @@ import yaml
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from asyncgrpo.backend import EngineDied
 from asyncgrpo.backend.external import ExternalBackend
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import ExternalEngineConfig
 from asyncgrpo.testing import engine_children, even_token_reward, tiny_prompt_rows
 from asyncgrpo.trainer import policy_trainer as trainer_loop
 
@@ -129,7 +129,7 @@ def test_an_external_engine_that_stalls_in_a_sync_ends_it_with_a_clear_error(
     server, monkeypatch, caplog
 ):
     monkeypatch.setenv("ASYNCGRPO_ADMIN_TOKEN", server.admin_token)
-    cfg = EngineConfig(type="external", base_url=server.base_url, sync_timeout_s=2)
+    cfg = ExternalEngineConfig(base_url=server.base_url, sync_timeout_s=2)
     backend = ExternalBackend(cfg)
     weights = [("model.norm.weight", torch.ones(64))]
 

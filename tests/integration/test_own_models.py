@@ -17,7 +17,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo import cli
-from asyncgrpo.config import EngineConfig, RunConfig
+from asyncgrpo.config import EmbeddedEngineConfig, EngineSettings, RunConfig
 from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.process import EngineProcess, EngineProcessError, last_words
 from asyncgrpo.engine.types import EngineError
@@ -32,8 +32,8 @@ from asyncgrpo.trainer.checkpoint import (
 PROMPT = [5, 17, 42, 99, 230, 7]
 
 
-def engine_config(model: Path | str, **settings) -> EngineConfig:
-    return EngineConfig(model=str(model), dtype="float32", num_threads=1, **settings)
+def engine_config(model: Path | str, **settings) -> EmbeddedEngineConfig:
+    return EmbeddedEngineConfig(model=str(model), dtype="float32", num_threads=1, **settings)
 
 
 # ---- the context limit ----------------------------------------------------------
@@ -41,7 +41,7 @@ def engine_config(model: Path | str, **settings) -> EngineConfig:
 
 def test_a_model_with_a_short_context_gets_its_own_limit(tmp_path):
     model_dir = save_tiny_model_dir(tmp_path / "short", max_position_embeddings=128)
-    assert EngineConfig().max_model_len is None  # the default leaves it to the model
+    assert EmbeddedEngineConfig().max_model_len is None  # the default leaves it to the model
     engine = Engine(engine_config(model_dir))
     assert engine.max_model_len == 128
     with pytest.raises(EngineError, match="max_model_len=256 exceeds .*=128"):
@@ -72,8 +72,8 @@ def test_unsupported_architecture_names_an_alternative_that_exists(unsupported_m
         Engine(engine_config(unsupported_model_dir))
     message = error.value.message
     assert "model_type 'gpt2'" in message and "llama" in message
-    assert "engine.type: vllm" in message  # a real EngineConfig.type value
-    assert "vllm" in EngineConfig.model_fields["type"].annotation.__args__
+    assert "engine.type: vllm" in message  # a real engine.type value
+    assert "vllm" in EngineSettings.model_fields["type"].annotation.__args__
     assert "--upstream-url" in message  # a real `asyncgrpo serve` flag
 
 

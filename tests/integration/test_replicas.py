@@ -28,7 +28,7 @@ from asyncgrpo.agents.trajectory import StopReason
 from asyncgrpo.backend import make_backend
 from asyncgrpo.backend.replicas import ReplicaBackend
 from asyncgrpo.client import EngineClient
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.loop_thread import LoopThread
 from asyncgrpo.run import train
@@ -40,7 +40,7 @@ PROMPT = [3, 17, 42, 9, 11]
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir, tmp_path_factory):
     """Two embedded engines behind one `ReplicaBackend`, driven on a loop thread."""
-    cfg = EngineConfig(
+    cfg = EmbeddedEngineConfig(
         model=str(tiny_model_dir),
         replicas=2,
         dtype="float32",

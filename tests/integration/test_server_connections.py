@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from asyncgrpo.client import EngineClient
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.process import EngineProcess
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
@@ -36,7 +36,7 @@ LOW_SOFT_FD_LIMIT = 512  # the child starts with this; `serve` must raise it
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tmp_path_factory):
-    cfg = EngineConfig(
+    cfg = EmbeddedEngineConfig(
         model=str(tiny_model_dir),
         dtype="float32",
         num_threads=1,

@@ -70,10 +70,10 @@ def test_a_trl_style_script_runs_and_its_export_matches_the_engine(tmp_path):
 def engine_greedy(model_dir, prompt: list[int], tokens: int) -> list[int]:
     """The embedded engine's greedy tokens for `prompt`, in fp32."""
     from asyncgrpo.backend.embedded import EmbeddedBackend
-    from asyncgrpo.config import EngineConfig
+    from asyncgrpo.config import EmbeddedEngineConfig
 
     async def run() -> list[int]:
-        backend = EmbeddedBackend(EngineConfig(model=str(model_dir), dtype="float32"))
+        backend = EmbeddedBackend(EmbeddedEngineConfig(model=str(model_dir), dtype="float32"))
         try:
             await backend.wait_ready()
             result = await backend.client.complete(prompt, max_tokens=tokens, temperature=0)

@@ -214,7 +214,7 @@ def test_vllm_backend_tells_adapters_from_full_images_without_reading_an_image()
 
 
 def test_vllm_lora_rank_rounds_up_to_a_rank_vllm_serves():
-    from asyncgrpo.config import ConfigError, EngineConfig
+    from asyncgrpo.config import ConfigError, VLLMEngineConfig
     from asyncgrpo.vllm.launcher import lora_arguments, vllm_lora_rank
 
     assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 16, 300, 512)] == [
@@ -228,11 +228,11 @@ def test_vllm_lora_rank_rounds_up_to_a_rank_vllm_serves():
     ]
     with pytest.raises(ConfigError, match="up to 512"):
         vllm_lora_rank(513)
-    assert lora_arguments(EngineConfig(type="vllm", max_lora_rank=4)) == [
+    assert lora_arguments(VLLMEngineConfig(max_lora_rank=4)) == [
         "--enable-lora",
         "--max-lora-rank",
         "8",
         "--max-loras",
         "2",
     ]
-    assert lora_arguments(EngineConfig(type="vllm")) == []
+    assert lora_arguments(VLLMEngineConfig()) == []

@@ -1,5 +1,5 @@
 """`asyncgrpo --help` says what the tool does; `asyncgrpo serve --help` documents every flag
-with its default, including the ones generated from `EngineConfig` fields."""
+with its default, including the ones generated from `EmbeddedEngineConfig` fields."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from asyncgrpo import cli
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 
 
 def subparser(name: str) -> argparse.ArgumentParser:
@@ -48,7 +48,7 @@ def test_serve_help_renders_every_engine_field_with_its_docstring_and_default(ca
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for name, field in EngineConfig.model_fields.items():
+    for name, field in EmbeddedEngineConfig.model_fields.items():
         if name in cli.CLIENT_SIDE:
             continue
         assert f"--{name.replace('_', '-')}" in text, name

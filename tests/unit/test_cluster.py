@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from asyncgrpo.config import ConfigError, EngineConfig, build_config
+from asyncgrpo.config import ConfigError, VLLMEngineConfig, build_config, parse_engine_config
 
 
 def test_the_default_is_local_and_the_section_takes_its_keys():
@@ -87,8 +87,9 @@ def test_the_shortfall_names_each_resource_asked_beyond_the_cluster():
 def test_the_weight_transport_follows_the_placement(engine_type, configured, same_node, expected):
     from asyncgrpo.cluster.engines import transport_for
 
-    cfg = EngineConfig(
-        model="m", type=engine_type, weight_transport=configured, allow_unauthenticated_vllm=True
+    exposed = {"allow_unauthenticated_vllm": True} if engine_type == "vllm" else {}
+    cfg = parse_engine_config(
+        {"model": "m", "type": engine_type, "weight_transport": configured, **exposed}
     )
     assert transport_for(cfg, same_node) == expected
 
@@ -96,6 +97,6 @@ def test_the_weight_transport_follows_the_placement(engine_type, configured, sam
 def test_vllm_on_another_node_without_a_transport_that_reaches_it_is_refused():
     from asyncgrpo.cluster.engines import transport_for
 
-    cfg = EngineConfig(model="m", type="vllm", weight_transport="shm")
+    cfg = VLLMEngineConfig(model="m", weight_transport="shm")
     with pytest.raises(ConfigError, match="nccl .GPUs. or disk"):
         transport_for(cfg, same_node=False, replica=1)

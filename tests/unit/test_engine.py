@@ -6,13 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncgrpo.engine.engine import Engine, EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
+from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.types import EngineError, PauseMode, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    eng = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=8))
+    eng = Engine(EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=8))
     eng.start()
     yield eng
     eng.shutdown()
@@ -107,7 +108,7 @@ def test_concurrent_requests_of_mixed_lengths_stay_exact(engine, reference):
 
 def test_long_prompt_is_prefilled_in_chunks(tiny_model_dir, reference):
     eng = Engine(
-        EngineConfig(
+        EmbeddedEngineConfig(
             model=str(tiny_model_dir), dtype="float32", max_num_seqs=4, prefill_chunk_size=64
         )
     )
@@ -158,7 +159,7 @@ def test_max_tokens_clipped_to_context(engine):
 
 
 def test_pause_modes_and_weight_update(tiny_model_dir, reference):
-    eng = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4))
+    eng = Engine(EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4))
     eng.start()
     # long enough for cached prefix blocks, which must not outlive the old weights
     prompt = prompt_ids(eng, "Hello, world! " * 12)

@@ -5,7 +5,8 @@ import asyncio
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncgrpo.engine.engine import Engine, EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
+from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.prefix_cache import BLOCK, PrefixCache
 from asyncgrpo.engine.runner import ModelRunner
 from asyncgrpo.engine.types import SamplingParams
@@ -29,7 +30,7 @@ async def collect(engine, prompt, **kw):
 def test_prompts_sharing_a_prefix_reuse_it_and_stay_exact(tiny_model_dir):
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     eng = Engine(
-        EngineConfig(
+        EmbeddedEngineConfig(
             model=str(tiny_model_dir), dtype="float32", max_num_seqs=8, prefill_chunk_size=32
         )
     )
@@ -95,7 +96,7 @@ def test_cache_is_bounded_lru_and_copies_exact_values(tiny_model_dir):
 
 def test_a_finished_turn_is_reused_by_the_next_turn(tiny_model_dir):
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    eng = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4))
+    eng = Engine(EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4))
     eng.start()
     try:
         prompt = eng.tokenizer.encode("User: plan a trip to the mountains. " * 3)

@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from asyncgrpo import cli
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.process import free_port
 from asyncgrpo.engine.types import EngineError, SamplingParams
 from asyncgrpo.server import ServerSettings, create_app
@@ -102,7 +102,9 @@ class FakeVLLM(httpx.BaseTransport, httpx.AsyncBaseTransport):
 def make_engine(tiny_model_dir):
     def make(fake: FakeVLLM | None = None, **settings) -> tuple[RemoteEngine, FakeVLLM]:
         fake = fake or FakeVLLM()
-        cfg = EngineConfig(model=str(tiny_model_dir), upstream_url=UPSTREAM + "/", **settings)
+        cfg = EmbeddedEngineConfig(
+            model=str(tiny_model_dir), upstream_url=UPSTREAM + "/", **settings
+        )
         return RemoteEngine(cfg, transport=fake), fake
 
     return make

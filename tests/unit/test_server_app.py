@@ -8,7 +8,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.types import TokenDelta
 from asyncgrpo.server import ServerSettings, create_app
@@ -25,7 +25,7 @@ class FakeEngine:
     dtype = torch.bfloat16
     tokenizer = None
 
-    config = EngineConfig(model="/models/fake", max_num_seqs=4, max_model_len=64)
+    config = EmbeddedEngineConfig(model="/models/fake", max_num_seqs=4, max_model_len=64)
 
     def __init__(self):
         self.alive = False

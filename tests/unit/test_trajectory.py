@@ -380,10 +380,13 @@ def test_engine_episode_log_probs_reproduce_on_the_training_sequence(tiny_model_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from asyncgrpo.engine.engine import Engine, EngineConfig
+    from asyncgrpo.config import EmbeddedEngineConfig
+    from asyncgrpo.engine.engine import Engine
     from asyncgrpo.engine.types import SamplingParams
 
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4))
+    engine = Engine(
+        EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4)
+    )
     tok = engine.tokenizer
     builder = TrajectoryBuilder(tok)
     messages = [{"role": "user", "content": "What is 12 + 7?"}]

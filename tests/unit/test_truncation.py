@@ -127,7 +127,9 @@ class IndexRewards:
 
 def builder(max_prompt_length: int | None) -> tuple[SingleTurnBuilder, RecordingClient]:
     client = RecordingClient()
-    sampling = SamplingSettings(2, 4, 1.0, max_prompt_length=max_prompt_length)
+    sampling = SamplingSettings(
+        n=2, max_tokens=4, temperature=1.0, max_prompt_length=max_prompt_length
+    )
     rewards = IndexRewards()
     return SingleTurnBuilder(client, CharTokenizer(), rewards, sampling, AdvantageConfig()), client
 

@@ -13,7 +13,7 @@ import pytest
 
 from asyncgrpo.client import EngineProtocolError
 from asyncgrpo.client.retry import EngineUnavailableError, RetryPolicy
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import VLLMEngineConfig
 from asyncgrpo.vllm.client import GENERATE_PATH, VLLMClient, expand_spans, parse_version
 from asyncgrpo.vllm.launcher import PLUGIN_DIR, VLLMServer, VLLMServerError
 
@@ -250,8 +250,7 @@ def test_control_routes_and_info():
 
 def test_server_command_and_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    cfg = EngineConfig(
-        type="vllm",
+    cfg = VLLMEngineConfig(
         model=str(tmp_path),
         vllm_python="/bin/sh",  # any executable: nothing is started
         dtype="bfloat16",
@@ -279,7 +278,7 @@ def test_server_command_and_environment(tmp_path, monkeypatch):
 
 
 def test_a_missing_vllm_environment_is_a_clear_error(tmp_path, monkeypatch):
-    cfg = EngineConfig(type="vllm", model=str(tmp_path), vllm_python=str(tmp_path / "python"))
+    cfg = VLLMEngineConfig(model=str(tmp_path), vllm_python=str(tmp_path / "python"))
     with pytest.raises(VLLMServerError, match="engine.vllm_python.*make test-vllm"):
         VLLMServer(cfg)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
@@ -291,7 +290,7 @@ def test_launched_cpu_servers_are_not_pinned_and_share_the_cores(tmp_path, monke
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(9)))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the trainer's own setting (torchrun's)
-    cfg = EngineConfig(type="vllm", model=str(tmp_path), vllm_python="/bin/sh", replicas=2)
+    cfg = VLLMEngineConfig(model=str(tmp_path), vllm_python="/bin/sh", replicas=2)
 
     def threads(server: VLLMServer) -> tuple[str, str]:
         env = server.env()
@@ -323,7 +322,7 @@ EXPOSED = "vLLM's pause and weight-update routes have no authentication"
 
 
 def test_a_launched_server_on_a_non_loopback_host_is_warned_about(tmp_path, caplog):
-    cfg = EngineConfig(type="vllm", model=str(tmp_path), vllm_python="/bin/sh")
+    cfg = VLLMEngineConfig(model=str(tmp_path), vllm_python="/bin/sh")
     with caplog.at_level("WARNING", logger="asyncgrpo.vllm.launcher"):
         VLLMServer(cfg)
     assert EXPOSED not in caplog.text
@@ -338,7 +337,7 @@ def test_a_launched_server_on_a_non_loopback_host_is_warned_about(tmp_path, capl
 def test_an_attached_server_on_a_non_loopback_address_is_warned_about(tmp_path, caplog):
     from asyncgrpo.vllm.backend import VLLMBackend
 
-    cfg = EngineConfig(type="vllm", model=str(tmp_path), base_url="http://127.0.0.1:8000")
+    cfg = VLLMEngineConfig(model=str(tmp_path), base_url="http://127.0.0.1:8000")
     with caplog.at_level("WARNING", logger="asyncgrpo.vllm.backend"):
         run(VLLMBackend(cfg).close())
     assert EXPOSED not in caplog.text
@@ -384,7 +383,7 @@ def stand_in_server(tmp_path, hang: set[int]) -> VLLMServer:
         STAND_IN.format(python=sys.executable, count=str(tmp_path / "starts"), hang=hang)
     )
     script.chmod(0o755)
-    cfg = EngineConfig(type="vllm", model=str(tmp_path), vllm_python=str(script))
+    cfg = VLLMEngineConfig(model=str(tmp_path), vllm_python=str(script))
     return VLLMServer(cfg, log_path=tmp_path / "vllm.log")
 
 

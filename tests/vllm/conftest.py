@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import VLLMEngineConfig
 from asyncgrpo.loop_thread import LoopThread
 from asyncgrpo.testing import save_tiny_vllm_model_dir
 from asyncgrpo.vllm.backend import VLLMBackend
@@ -40,7 +40,7 @@ def require_vllm() -> str:
     return VLLM_PYTHON
 
 
-def vllm_engine_config(model_dir: str | Path, **overrides) -> EngineConfig:
+def vllm_engine_config(model_dir: str | Path, **overrides) -> VLLMEngineConfig:
     """A launched vLLM engine as the tests run it: eager (fast start), bf16, small limits."""
     settings = dict(
         type="vllm",
@@ -53,7 +53,7 @@ def vllm_engine_config(model_dir: str | Path, **overrides) -> EngineConfig:
         sync_timeout_s=120.0,
     )
     settings.update(overrides)
-    return EngineConfig(**settings)
+    return VLLMEngineConfig(**settings)
 
 
 def bf16_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -113,7 +113,7 @@ class VLLMSlot:
         self.key: str | None = None
         self.backend: VLLMBackend | None = None
 
-    def get(self, key: str, cfg: EngineConfig) -> VLLMBackend:
+    def get(self, key: str, cfg: VLLMEngineConfig) -> VLLMBackend:
         """The running backend for `key`, started from `cfg` (stopping another) if needed;
         one a test left dead is restarted."""
         if self.key != key:

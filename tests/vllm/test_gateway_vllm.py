@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 from asyncgrpo.agents.runner import run_episode
 from asyncgrpo.agents.trajectory import StopReason
 from asyncgrpo.client import EngineClient
-from asyncgrpo.config import EngineConfig, build_config
+from asyncgrpo.config import EmbeddedEngineConfig, build_config
 from asyncgrpo.engine.process import EngineProcess, free_port
 from asyncgrpo.rollout import episodes as episodes_mod
 from asyncgrpo.run import train
@@ -119,7 +119,7 @@ def upstream(tiny_vllm_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="class")
 def gateway(upstream, tiny_vllm_model_dir, tmp_path_factory):
-    cfg = EngineConfig(
+    cfg = EmbeddedEngineConfig(
         model=str(tiny_vllm_model_dir), upstream_url=upstream.url, served_model_name="tiny"
     )
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
@@ -332,12 +332,13 @@ def calculator_recipe(tmp_path: Path, model_dir: Path) -> dict:
     recipe = yaml.safe_load((ROOT / "recipes" / "calculator.yaml").read_text())
     recipe.update(name="calculator-vllm", output_dir=str(tmp_path), max_steps=3, eval_steps=100)
     recipe["model"] = {"name_or_path": str(model_dir)}
+    for embedded_only in ("num_threads", "max_num_seqs"):  # the recipe's embedded engine's
+        recipe["engine"].pop(embedded_only, None)
     recipe["engine"].update(
         type="vllm",
         vllm_python=require_vllm(),
         vllm_args=["--enforce-eager"],
         dtype="bfloat16",
-        max_num_seqs=16,
         startup_timeout_s=300,
     )
     recipe["dataset"].update(size=40, eval_size=2)

@@ -28,7 +28,7 @@ from conftest import (
 )
 
 from asyncgrpo.backend.embedded import EmbeddedBackend
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.vllm.backend import VLLMBackend
 from asyncgrpo.vllm.client import GENERATE_PATH
 from asyncgrpo.vllm.launcher import PLUGIN_DIR, VLLMServerError
@@ -296,7 +296,9 @@ def embedded(loop, tmp_path_factory):
     from asyncgrpo.models import resolve_model
 
     model_dir = resolve_model("smollm2-135m")
-    cfg = EngineConfig(model=str(model_dir), dtype="float32", num_threads=1, max_model_len=2048)
+    cfg = EmbeddedEngineConfig(
+        model=str(model_dir), dtype="float32", num_threads=1, max_model_len=2048
+    )
     backend = EmbeddedBackend(cfg, log_path=tmp_path_factory.mktemp("embedded") / "engine.log")
     loop.run(backend.wait_ready())
     yield backend, model_dir

@@ -17,44 +17,48 @@ from __future__ import annotations
 from pathlib import Path
 
 from asyncgrpo.backend.base import EngineBackend, EngineDied
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import (
+    EmbeddedEngineConfig,
+    EngineSettings,
+    ExternalEngineConfig,
+    VLLMEngineConfig,
+)
 
 
-def make_backend(cfg: EngineConfig, run_dir: Path, episodes: bool = False) -> EngineBackend:
+def make_backend(cfg: EngineSettings, run_dir: Path, episodes: bool = False) -> EngineBackend:
     """The backend of `cfg.type` (not started: call `launch`, then `wait_ready`).
 
     `episodes`: the run's agents need the episode gateway (a vLLM engine then gets one).
     """
-    if cfg.replicas == 1:
+    if cfg.replica_count == 1:
         return make_one_backend(cfg, run_dir / "engine.log", episodes=episodes)
     from asyncgrpo.backend.replicas import ReplicaBackend
 
     return ReplicaBackend(
         [
             make_one_backend(cfg, run_dir / f"engine-{i}.log", i, episodes)
-            for i in range(cfg.replicas)
+            for i in range(cfg.replica_count)
         ]
     )
 
 
 def make_one_backend(
-    cfg: EngineConfig, log_path: Path, replica: int = 0, episodes: bool = False
+    cfg: EngineSettings, log_path: Path, replica: int = 0, episodes: bool = False
 ) -> EngineBackend:
     """One engine of `cfg.type`; `replica` numbers it among `cfg.replicas`."""
-    if cfg.type == "embedded":
-        from asyncgrpo.backend.embedded import EmbeddedBackend
+    match cfg:
+        case EmbeddedEngineConfig():
+            from asyncgrpo.backend.embedded import EmbeddedBackend
 
-        return EmbeddedBackend(cfg, log_path=log_path)
-    if cfg.type == "external":
-        if cfg.replicas > 1:
-            raise ValueError("engine.replicas: type external attaches to one server")
-        from asyncgrpo.backend.external import ExternalBackend
+            return EmbeddedBackend(cfg, log_path=log_path)
+        case ExternalEngineConfig():
+            from asyncgrpo.backend.external import ExternalBackend
 
-        return ExternalBackend(cfg)
-    if cfg.type == "vllm":
-        from asyncgrpo.vllm.backend import VLLMBackend
+            return ExternalBackend(cfg)
+        case VLLMEngineConfig():
+            from asyncgrpo.vllm.backend import VLLMBackend
 
-        return VLLMBackend(cfg, log_path=log_path, replica=replica, episodes=episodes)
+            return VLLMBackend(cfg, log_path=log_path, replica=replica, episodes=episodes)
     raise ValueError(f"unknown engine.type {cfg.type!r}")
 
 

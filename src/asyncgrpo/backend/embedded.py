@@ -18,7 +18,7 @@ from pathlib import Path
 from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, sync_until_landed
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import EngineHTTPError, RetryPolicy
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.transport import make_transport
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 class EmbeddedBackend:
     """An `asyncgrpo serve` child process on a loopback port, restarted when it dies."""
 
-    def __init__(self, cfg: EngineConfig, log_path: Path | None = None, process=None):
+    def __init__(self, cfg: EmbeddedEngineConfig, log_path: Path | None = None, process=None):
         """`process`: what runs the engine, if not a child process here (an engine on a
         Ray node, `cluster.engines.ActorProcess`: it may come back at another address)."""
         self.cfg = cfg

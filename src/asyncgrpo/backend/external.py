@@ -13,7 +13,7 @@ import os
 from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, publish
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import RetryPolicy
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import ExternalEngineConfig
 from asyncgrpo.transport import make_transport
 
 
@@ -22,7 +22,7 @@ class ExternalBackend:
 
     restarts = 0
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: ExternalEngineConfig):
         if not cfg.base_url:
             raise ValueError("engine.base_url: required with engine.type external")
         self.cfg = cfg

@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.cluster.placement import RayCluster
-from asyncgrpo.config import ConfigError, EngineConfig
+from asyncgrpo.config import (
+    ConfigError,
+    EngineSettings,
+    ServedEngineSettings,
+    VLLMEngineConfig,
+    parse_engine_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +49,7 @@ class EngineActor:
     def __init__(self, cfg_json: str, admin_token: str, log_path: str, model_name: str):
         import ray
 
-        cfg = EngineConfig.model_validate_json(cfg_json)
+        cfg = parse_engine_config(cfg_json)
         if not Path(cfg.model).is_dir():  # no shared filesystem: this node's copy
             from asyncgrpo.models import resolve_model
 
@@ -51,7 +57,7 @@ class EngineActor:
         host = ray.util.get_node_ip_address()
         self.timeout_s = cfg.startup_timeout_s
         self.node = ray.get_runtime_context().get_node_id()
-        if cfg.type == "vllm":
+        if isinstance(cfg, VLLMEngineConfig):
             from asyncgrpo.vllm.launcher import VLLMServer
 
             vllm_cfg = cfg.model_copy(update={"vllm_host": host})
@@ -123,7 +129,12 @@ class ActorProcess:
     """
 
     def __init__(
-        self, cfg: EngineConfig, cluster: RayCluster, replica: int, log_path: Path, model: str
+        self,
+        cfg: ServedEngineSettings,
+        cluster: RayCluster,
+        replica: int,
+        log_path: Path,
+        model: str,
     ):
         self.cfg = cfg
         self.cluster = cluster
@@ -224,7 +235,7 @@ class ActorProcess:
 
 
 def ray_engine_backend(
-    cfg: EngineConfig, cluster: RayCluster, run_dir: Path, model_name: str, episodes: bool
+    cfg: ServedEngineSettings, cluster: RayCluster, run_dir: Path, model_name: str, episodes: bool
 ) -> Any:
     """`cfg.replicas` engine actors behind one `EngineBackend` (not started: `launch`).
 
@@ -232,7 +243,7 @@ def ray_engine_backend(
     on the engines' nodes under the run directory's path; a node without `cfg.model`
     loads `model_name` resolved there. `episodes`: the run's agents need the episode
     gateway (the embedded engine is one; beside a remote vLLM there is none yet)."""
-    if episodes and cfg.type == "vllm":
+    if episodes and isinstance(cfg, VLLMEngineConfig):
         raise ConfigError(
             "agent episodes with engine.type vllm under cluster.launcher ray: not yet "
             "(the episode gateway runs beside vLLM on one machine); use the embedded "
@@ -252,8 +263,10 @@ def ray_engine_backend(
     return ReplicaBackend(members)
 
 
-def _backend(cfg: EngineConfig, process: ActorProcess, log: Path, replica: int, driver_ip: str):
-    if cfg.type == "vllm":
+def _backend(
+    cfg: ServedEngineSettings, process: ActorProcess, log: Path, replica: int, driver_ip: str
+):
+    if isinstance(cfg, VLLMEngineConfig):
         from asyncgrpo.vllm.backend import VLLMBackend
 
         return VLLMBackend(cfg, log, replica, server=process, nccl_address=driver_ip)
@@ -262,7 +275,7 @@ def _backend(cfg: EngineConfig, process: ActorProcess, log: Path, replica: int, 
     return EmbeddedBackend(cfg, log_path=log, process=process)
 
 
-def transport_for(cfg: EngineConfig, same_node: bool, replica: int = 0) -> str:
+def transport_for(cfg: EngineSettings, same_node: bool, replica: int = 0) -> str:
     """How weights reach a replica placed on the driver's node (`same_node`) or not.
 
     The configured transport, except that shared memory never crosses nodes: there the
@@ -271,8 +284,8 @@ def transport_for(cfg: EngineConfig, same_node: bool, replica: int = 0) -> str:
     kind = cfg.weight_transport
     if kind != "shm" or same_node:
         chosen = kind
-    elif cfg.type == "embedded":
-        chosen = "http"
+    elif (across := cfg.transport_across_nodes()) is not None:
+        chosen = across
     else:
         raise ConfigError(
             f"engine replica {replica} (vLLM) is placed on another node than the driver, where "

@@ -18,9 +18,19 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from asyncgrpo.config.base import ConfigError, Section
+from asyncgrpo.config.base import ConfigError, Section, section_types
 from asyncgrpo.config.cluster import ClusterConfig
-from asyncgrpo.config.engine import EngineConfig, resolve_dtype
+from asyncgrpo.config.engine import (
+    ENGINE_TYPES,
+    EmbeddedEngineConfig,
+    EngineConfig,
+    EngineSettings,
+    ExternalEngineConfig,
+    ServedEngineSettings,
+    VLLMEngineConfig,
+    parse_engine_config,
+    resolve_dtype,
+)
 from asyncgrpo.config.rollout import (
     AgentConfig,
     CoordinatorConfig,
@@ -28,6 +38,7 @@ from asyncgrpo.config.rollout import (
     ModelConfig,
     RolloutConfig,
 )
+from asyncgrpo.config.sampling import SamplingSettings
 from asyncgrpo.config.training import AdvantageConfig, LossConfig, TrainerConfig
 from asyncgrpo.config.trl_names import (
     NO_EQUIVALENT,
@@ -37,22 +48,38 @@ from asyncgrpo.config.trl_names import (
     log_notes,
     translate,
 )
+from asyncgrpo.config.variants import (
+    describe_engine,
+    drop_unset_keys,
+    misplaced,
+    switch_type,
+    untag,
+    variant_fields,
+)
 
 __all__ = [
+    "ENGINE_TYPES",
     "AdvantageConfig",
     "AgentConfig",
     "ClusterConfig",
     "ConfigError",
     "CoordinatorConfig",
+    "EmbeddedEngineConfig",
     "EngineConfig",
+    "EngineSettings",
+    "ExternalEngineConfig",
     "LossConfig",
     "LoraConfig",
     "ModelConfig",
     "RolloutConfig",
     "RunConfig",
+    "SamplingSettings",
+    "ServedEngineSettings",
     "TrainerConfig",
+    "VLLMEngineConfig",
     "build_config",
     "describe",
+    "parse_engine_config",
     "load_config",
     "resolve_dtype",
 ]
@@ -95,7 +122,7 @@ class RunConfig(Section):
     rewards: list[str] = []
     """Reward functions by built-in name or dotted path `package.module:function`."""
     model: ModelConfig = ModelConfig()
-    engine: EngineConfig = EngineConfig()
+    engine: EngineConfig = EmbeddedEngineConfig()
     rollout: RolloutConfig = RolloutConfig()
     agent: AgentConfig = AgentConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
@@ -108,31 +135,24 @@ class RunConfig(Section):
     def _placeable(self) -> RunConfig:
         if self.cluster.launcher != "ray":
             return self
-        if self.engine.type == "external":
-            raise ValueError(
-                "cluster.launcher ray places the engines it starts; engine.type external "
-                "attaches to a running server (use type embedded, or launcher local)"
-            )
-        if self.engine.type == "vllm" and not self.engine.allow_unauthenticated_vllm:
-            raise ValueError(
-                "cluster.launcher ray with engine.type vllm: the driver reaches each vLLM "
-                "server over the network, and vLLM's pause and weight-update routes have no "
-                "authentication; on a private cluster network set "
-                "engine.allow_unauthenticated_vllm: true to accept that"
-            )
+        problem = self.engine.ray_placement_problem()
+        if problem:
+            raise ValueError(problem)
         return self
 
 
-def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
+def _fields_at(model: type[BaseModel], path: tuple, engine_type: str | None) -> list[str]:
     """Valid field names of the section that `path` points into."""
+    if engine_type is not None and len(path) == (1 if model in ENGINE_TYPES.values() else 2):
+        return variant_fields(engine_type)
     current: Any = model
     for part in path[:-1]:
-        field = current.model_fields.get(part) if isinstance(current, type) else None
-        annotation = field.annotation if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        field = current.model_fields.get(part)
+        found = section_types(field.annotation) if field else []
+        if len(found) != 1:
             return []
-        current = annotation
-    return list(current.model_fields) if isinstance(current, type) else []
+        current = found[0]
+    return list(current.model_fields)
 
 
 MOVED = {"model.dtype": "engine.dtype"}
@@ -142,12 +162,18 @@ MOVED = {"model.dtype": "engine.dtype"}
 def _explain(error: ValidationError, model: type[BaseModel]) -> str:
     lines = []
     for err in error.errors():
-        path = tuple(err["loc"])
+        path, engine_type, depth = untag(model, tuple(err["loc"]))
         dotted = ".".join(str(p) for p in path)
+        wrong_variant = misplaced(path, engine_type, depth)
         if err["type"] == "extra_forbidden" and dotted in MOVED:
             lines.append(f"'{dotted}' moved to '{MOVED[dotted]}'")
+        elif err["type"] == "extra_forbidden" and wrong_variant:
+            lines.append(wrong_variant)
         elif err["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{dotted}'{_hint(model, path)}")
+            lines.append(f"unknown key '{dotted}'{_hint(model, path, engine_type)}")
+        elif err["type"] == "union_tag_invalid":
+            types = ", ".join(ENGINE_TYPES)
+            lines.append(f"'{dotted}.type': one of {types} (got {err['ctx']['tag']!r})")
         elif err["type"] == "value_error" and not path:  # a check across sections
             lines.append(err["msg"].removeprefix("Value error, "))
         else:
@@ -156,7 +182,7 @@ def _explain(error: ValidationError, model: type[BaseModel]) -> str:
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
-def _hint(model: type[BaseModel], path: tuple) -> str:
+def _hint(model: type[BaseModel], path: tuple, engine_type: str | None = None) -> str:
     """Where an unknown key probably belongs: the TRL name's field, else the closest name."""
     leaf = str(path[-1])
     if leaf in TRL_TARGETS:
@@ -172,7 +198,7 @@ def _hint(model: type[BaseModel], path: tuple) -> str:
         if close:
             where = names[close[0]]
             return f"; did you mean '{close[0]}'" + (f" ('{where}')?" if where != close[0] else "?")
-    valid = _fields_at(model, path)
+    valid = _fields_at(model, path, engine_type)
     close = difflib.get_close_matches(leaf, valid, n=1)
     return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid)}"
 
@@ -186,7 +212,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def build_config(data: dict, overrides: list[str] = (), model: type[BaseModel] = RunConfig):
-    data = dict(data or {})
+    """`data` (a recipe) with `key=value` overrides, validated as `model`."""
+    recipe = data or {}
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in recipe.items()}
     for item in overrides:
         keys, value = parse_override(item)
         node = data
@@ -199,6 +227,8 @@ def build_config(data: dict, overrides: list[str] = (), model: type[BaseModel] =
     problems: list[str] = []
     if model is RunConfig:  # TRL's names and flat names, as AsyncGRPOConfig takes them
         data, notes, problems = translate(data, model)
+        switch_type(recipe, data)
+    drop_unset_keys(model, data)
     try:
         cfg = model.model_validate(data)
     except ValidationError as exc:
@@ -228,13 +258,20 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
 
 
 def describe(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
-    """One line per field: dotted name, default and docstring (for --help-config)."""
+    """One line per field: dotted name, default and docstring (for --help-config); the
+    engine section's fields grouped by the engine types that have them."""
     lines = []
     for name, field in model.model_fields.items():
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            lines += describe(annotation, f"{prefix}{name}.")
-            continue
-        doc = " ".join((field.description or "").split())
-        lines.append(f"{prefix}{name} = {field.default!r}  # {doc}")
+        found = section_types(field.annotation)
+        if len(found) > 1:  # the engine section's variants
+            lines += describe_engine(f"{prefix}{name}.", _field_line)
+        elif found:
+            lines += describe(found[0], f"{prefix}{name}.")
+        else:
+            lines.append(_field_line(f"{prefix}{name}", field))
     return lines
+
+
+def _field_line(dotted: str, field: Any) -> str:
+    doc = " ".join((field.description or "").split())
+    return f"{dotted} = {field.get_default(call_default_factory=True)!r}  # {doc}"

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from asyncgrpo.config.base import Section
+from asyncgrpo.config.sampling import SamplingSettings
 
 
 class LoraConfig(Section):
@@ -74,6 +75,17 @@ class RolloutConfig(Section):
     rollout loop and are cancelled at their deadline."""
     reward_num_workers: int = Field(4, ge=1)
     """Reward function calls that run at once (threads or worker processes)."""
+
+    def sampling(self, seed: int | None) -> SamplingSettings:
+        """How each group samples, with the run's `seed` (None: unseeded requests)."""
+        return SamplingSettings(
+            n=self.num_generations,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=seed,
+            max_prompt_length=self.max_prompt_length,
+        )
 
 
 class AgentConfig(Section):

@@ -27,6 +27,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from asyncgrpo.config.base import section_types
+
 logger = logging.getLogger(__name__)
 
 
@@ -239,11 +241,12 @@ def leaf_paths(model: type[BaseModel]) -> dict[str, list[str]]:
 
     def walk(section: type[BaseModel], prefix: str) -> None:
         for name, field in section.model_fields.items():
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
-            else:
-                paths.setdefault(name, []).append(f"{prefix}{name}")
+            variants = section_types(field.annotation)  # several for the engine's types
+            for found in variants:
+                walk(found, f"{prefix}{name}.")
+            found_at = paths.setdefault(name, [])
+            if not variants and f"{prefix}{name}" not in found_at:
+                found_at.append(f"{prefix}{name}")
 
     walk(model, "")
     return paths

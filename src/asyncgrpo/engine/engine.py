@@ -39,7 +39,7 @@ from asyncgrpo.adapters import (
     check_against,
     is_adapter_update,
 )
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.loading import (
     check_update,
     context_limit,
@@ -122,9 +122,9 @@ class Engine(_EngineThread):
     the engine thread come from `_EngineThread`.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EmbeddedEngineConfig):
         if config.model is None:
-            raise EngineError("EngineConfig.model: no model directory given", 500)
+            raise EngineError("engine.model: no model directory given", 500)
         self.config = config
         self.dtype = getattr(torch, config.resolved_dtype())
         self.compute_dtype = getattr(torch, config.resolved_compute_dtype())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.runner import SUPPORTED_ARCHITECTURES
 from asyncgrpo.engine.types import EngineError
 
@@ -40,7 +40,7 @@ def check_architecture(model_type: str, path: str) -> None:
     )
 
 
-def context_limit(config: EngineConfig, model) -> int:
+def context_limit(config: EmbeddedEngineConfig, model) -> int:
     """`config.max_model_len`, checked against the model; by default the model's own limit
     (`max_position_embeddings`), capped at 4096 so the default KV cache stays small."""
     limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)

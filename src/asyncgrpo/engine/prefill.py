@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.prefix_cache import BLOCK as PREFIX_BLOCK
 from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.request import Request
@@ -35,7 +35,7 @@ Row = tuple[Request, int, int, int]  # one prefill row: (request, slot, start, e
 class PrefillQueue:
     """Requests before their first token: waiting, or staged (prefilling in chunks)."""
 
-    def __init__(self, config: EngineConfig, prefix_cache: PrefixCache):
+    def __init__(self, config: EmbeddedEngineConfig, prefix_cache: PrefixCache):
         self.config = config
         self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -106,21 +106,21 @@ class EngineProcess:
     """A supervised `asyncgrpo serve` child process bound to 127.0.0.1.
 
     The child receives `config` as one JSON file and validates it with the same
-    `EngineConfig` model, so a recipe's engine settings arrive exactly as written.
+    `EmbeddedEngineConfig` model, so a recipe's engine settings arrive exactly as written.
     `host`: another address to bind, for an engine a trainer on another node reaches
     (`cluster.launcher: ray`); its control routes still need `admin_token`.
     """
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: EmbeddedEngineConfig,
         *,
         log_path: str | Path | None = None,
         host: str = "127.0.0.1",
         admin_token: str | None = None,
     ):
         if config.model is None:
-            raise EngineProcessError("EngineConfig.model: no model directory given")
+            raise EngineProcessError("engine.model: no model directory given")
         self.config = config
         self.log_path = Path(log_path) if log_path else None
         self.host = host

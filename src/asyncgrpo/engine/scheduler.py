@@ -28,7 +28,7 @@ from collections import deque
 
 import torch
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.prefill import PrefillQueue, Row
 from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.request import Request, SampleState
@@ -46,7 +46,7 @@ class Scheduler:
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: EmbeddedEngineConfig,
         runner: ModelRunner,
         prefix_cache: PrefixCache,
         tokenizer,

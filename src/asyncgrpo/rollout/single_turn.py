@@ -15,28 +15,18 @@ not as `zero_variance`: the rewards are missing, not equal.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from asyncgrpo.client.retry import EngineHTTPError
 from asyncgrpo.config import AdvantageConfig
+from asyncgrpo.config.sampling import SamplingSettings
 from asyncgrpo.rollout.advantages import is_zero_variance
 from asyncgrpo.rollout.builder import GroupDropped
 from asyncgrpo.rollout.data import render_prompt
 from asyncgrpo.rollout.rewards import RewardFailure
 from asyncgrpo.rollout.types import Group, Rollout
-
-
-@dataclass
-class SamplingSettings:
-    n: int
-    max_tokens: int
-    temperature: float
-    top_p: float = 1.0
-    seed: int | None = None  # per-group seeds derive from it: a fixed seed repeats a run
-    max_prompt_length: int | None = None  # keep the prompt's last ids (TRL < 1.0's truncation)
 
 
 class SingleTurnBuilder:
@@ -72,9 +62,7 @@ class SingleTurnBuilder:
                 "missing_prompt",
                 f"a dataset row has no 'prompt' column (its columns: {', '.join(row) or '-'})",
             )
-        s = self.sampling
-        seed = None if s.seed is None else (s.seed * 7919 + group_id) % (2**31)
-        rollouts = await self._sample(self.render(row["prompt"]), s, seed)
+        rollouts = await self._sample(self.render(row["prompt"]), self.sampling, group_id)
         self.generated_tokens += sum(len(r.completion_ids) for r in rollouts)
         group = Group(group_id, position, row, rollouts)
         await self.score(row, rollouts)
@@ -111,17 +99,11 @@ class SingleTurnBuilder:
         )
 
     async def _sample(
-        self, prompt_ids: list[int], s: SamplingSettings, seed: int | None
+        self, prompt_ids: list[int], s: SamplingSettings, group_id: int | None
     ) -> list[Rollout]:
-        sampling = {"temperature": s.temperature, "top_p": s.top_p}
+        """`s.n` completions of the prompt; seeded per group when `group_id` is given."""
         try:
-            completion = await self.client.complete(
-                prompt_ids,
-                n=s.n,
-                max_tokens=s.max_tokens,
-                **({"seed": seed} if seed is not None else {}),
-                **sampling,
-            )
+            completion = await self.client.complete(prompt_ids, **s.request_fields(group_id))
         except EngineHTTPError as exc:
             if exc.status == 400 and "max_model_len" in str(exc):
                 raise GroupDropped("prompt_too_long", str(exc), log=False) from exc
@@ -132,9 +114,8 @@ class SingleTurnBuilder:
             versions, finish = list(sample.weight_versions), sample.finish_reason
             while finish == "abort" and len(ids) < s.max_tokens:
                 # interrupted by a weight sync: continue from our own tokens
-                more = await self.client.complete(
-                    prompt_ids + ids, n=1, max_tokens=s.max_tokens - len(ids), **sampling
-                )
+                rest = s.continuing(len(ids))
+                more = await self.client.complete(prompt_ids + ids, **rest.request_fields())
                 part = more.samples[0]
                 ids += part.token_ids
                 logprobs += part.logprobs
@@ -147,7 +128,7 @@ class SingleTurnBuilder:
 
     async def evaluate(self, rows: list[dict]) -> dict[str, Any]:
         """Greedy completions of every held-out row, scored by the reward functions."""
-        greedy = SamplingSettings(1, self.sampling.max_tokens, 0.0)
+        greedy = self.sampling.greedy()
         versions: set[int] = set()
 
         async def one(row: dict) -> list[float | None]:

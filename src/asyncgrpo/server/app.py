@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from asyncgrpo.agents.toolcalls import get_parser
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.server import control_routes, episodes, openai_routes
 from asyncgrpo.server.errors import install_error_handlers
 from asyncgrpo.server.limits import BodyLimitMiddleware
@@ -47,13 +47,13 @@ class ServerSettings:
     max_episode_turns: int = 1000
     """Calls one episode may make, whatever the episode asked for when it was opened."""
     weights_dir: str | None = None
-    """Where the `disk` weight backend may read (see `EngineConfig.weights_dir`)."""
+    """Where the `disk` weight backend may read (see `EmbeddedEngineConfig.weights_dir`)."""
     body_timeout_s: float = 30.0
     """Deadline of a request body after its header (per piece on /update_weights)."""
 
     @classmethod
     def from_config(
-        cls, cfg: EngineConfig, admin_token: str | None, default_name: str
+        cls, cfg: EmbeddedEngineConfig, admin_token: str | None, default_name: str
     ) -> ServerSettings:
         """The server part of an engine's config (the token never travels in it)."""
         return cls(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 
 logger = logging.getLogger("uvicorn.error")
 
@@ -68,7 +68,7 @@ def connection_cap(max_connections: int, fd_limit: int) -> int:
     return max(1, min(max_connections, fd_limit - FD_RESERVE))
 
 
-def run_server(app, cfg: EngineConfig, *, host: str, port: int, log_level: str) -> None:
+def run_server(app, cfg: EmbeddedEngineConfig, *, host: str, port: int, log_level: str) -> None:
     """Serve `app` with the connection limits of `cfg`, until interrupted."""
     import uvicorn
 

@@ -42,7 +42,7 @@ from urllib.parse import urlparse
 from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, sync_until_landed
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import EngineUnavailableError, RetryPolicy
-from asyncgrpo.config import ConfigError, EngineConfig
+from asyncgrpo.config import ConfigError, VLLMEngineConfig
 from asyncgrpo.engine.process import EngineProcess
 from asyncgrpo.transport import make_transport
 from asyncgrpo.vllm.client import NO_RETRY, VLLMClient
@@ -61,7 +61,7 @@ class VLLMBackend:
 
     def __init__(
         self,
-        cfg: EngineConfig,
+        cfg: VLLMEngineConfig,
         log_path: Path | None = None,
         replica: int = 0,
         episodes: bool = False,
@@ -109,15 +109,7 @@ class VLLMBackend:
 
     def _make_gateway(self) -> EngineProcess:
         """The episode gateway's process, and its client on `self.client.gateway`."""
-        gateway_cfg = self.cfg.model_copy(
-            update={
-                "type": "embedded",
-                "upstream_url": self.client.base_url,
-                "replicas": 1,
-                "base_url": None,
-                "weight_transport": "shm",  # the gateway holds no weights
-            }
-        )
+        gateway_cfg = self.cfg.gateway_config(upstream_url=self.client.base_url)
         log = self.log_path.with_name(self.log_path.name + ".gateway") if self.log_path else None
         gateway = EngineProcess(gateway_cfg, log_path=log)
         # the port is known once started; `_start_gateway` points the client at it

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from asyncgrpo.config import ConfigError, EngineConfig
+from asyncgrpo.config import ConfigError, VLLMEngineConfig
 from asyncgrpo.config.engine import is_loopback
 from asyncgrpo.engine.process import StartGuard, free_port
 
@@ -60,7 +60,7 @@ class VLLMServerError(ConfigError):
     line, as any config error)."""
 
 
-def vllm_python(cfg: EngineConfig) -> str:
+def vllm_python(cfg: VLLMEngineConfig) -> str:
     """The interpreter that runs vLLM: `engine.vllm_python`, else this one if it has vllm."""
     if cfg.vllm_python:
         if not os.access(cfg.vllm_python, os.X_OK):
@@ -77,7 +77,7 @@ def vllm_python(cfg: EngineConfig) -> str:
     )
 
 
-def weight_backend(cfg: EngineConfig) -> str:
+def weight_backend(cfg: VLLMEngineConfig) -> str:
     """vLLM's weight-transfer backend: NCCL on GPUs, else asyncgrpo's file backend."""
     return "nccl" if cfg.weight_transport == "nccl" else FILE_BACKEND
 
@@ -92,7 +92,7 @@ def vllm_lora_rank(rank: int) -> int:
     )
 
 
-def lora_arguments(cfg: EngineConfig) -> list[str]:
+def lora_arguments(cfg: VLLMEngineConfig) -> list[str]:
     """vLLM's LoRA serving flags for a LoRA run (`engine.max_lora_rank` set), else none."""
     if cfg.max_lora_rank is None:
         return []
@@ -135,7 +135,11 @@ class VLLMServer:
     """One vLLM server process on `cfg.vllm_host`, restartable on the same port."""
 
     def __init__(
-        self, cfg: EngineConfig, *, log_path: str | Path | None = None, replica: int | None = None
+        self,
+        cfg: VLLMEngineConfig,
+        *,
+        log_path: str | Path | None = None,
+        replica: int | None = None,
     ):
         """`replica`: this server's number among `cfg.replicas` launched on this machine
         (None: not one of several here), so that they share the CPU cores out."""

@@ -24,7 +24,7 @@ from asyncgrpo.adapters import (
     save_peft_adapter,
 )
 from asyncgrpo.backend.base import NamedTensors
-from asyncgrpo.config import ConfigError, EngineConfig
+from asyncgrpo.config import ConfigError, VLLMEngineConfig
 from asyncgrpo.vllm.client import VLLMClient
 
 
@@ -44,7 +44,7 @@ def adapter_or_weights(weights: NamedTensors) -> tuple[NamedTensors, bool]:
     return adapter, True
 
 
-def adapter_root(cfg: EngineConfig, log_path: Path | None) -> Path | None:
+def adapter_root(cfg: VLLMEngineConfig, log_path: Path | None) -> Path | None:
     """Where adapter directories go: `engine.weights_dir`, else the run directory."""
     if cfg.weights_dir:
         return Path(cfg.weights_dir)
@@ -55,7 +55,7 @@ class AdapterLoader:
     """A LoRA run's adapter syncs into one vLLM server, in place of the weight transport
     (`publish` calls it between pause and resume)."""
 
-    def __init__(self, client: VLLMClient, cfg: EngineConfig, root: Path | None, replica: int):
+    def __init__(self, client: VLLMClient, cfg: VLLMEngineConfig, root: Path | None, replica: int):
         self.client = client
         self.max_rank = cfg.max_lora_rank
         self.root = root

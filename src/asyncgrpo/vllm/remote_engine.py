@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import httpx
 
 from asyncgrpo.client.engine_client import EngineProtocolError
-from asyncgrpo.config import EngineConfig
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.engine import Engine
 from asyncgrpo.engine.types import EngineError, SamplingParams, TokenDelta
 from asyncgrpo.vllm.client import sample_from_choice
@@ -77,7 +77,7 @@ class RemoteEngine:
     """The part of `Engine` the server routes use, generating on the vLLM server at
     `config.upstream_url`. `transport` replaces the network (tests)."""
 
-    def __init__(self, config: EngineConfig, transport: httpx.BaseTransport | None = None):
+    def __init__(self, config: EmbeddedEngineConfig, transport: httpx.BaseTransport | None = None):
         from transformers import AutoConfig, AutoTokenizer
 
         if not config.upstream_url or not config.model:
@@ -271,7 +271,7 @@ def _json_object(response: httpx.Response) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _context_limit(config: EngineConfig, upstream: Upstream) -> int:
+def _context_limit(config: EmbeddedEngineConfig, upstream: Upstream) -> int:
     if config.max_model_len and config.max_model_len > upstream.max_model_len:
         raise EngineError(
             f"max_model_len={config.max_model_len} exceeds the vLLM server's "
