@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from asyncgrpo.config import ConfigError, RunConfig
+from asyncgrpo.config.rollout import GREEDY_BELOW
 from asyncgrpo.trainer.base import Trainer
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,6 @@ def make_trainer(
 
 def policy_trainer(cfg: RunConfig, model: torch.nn.Module):
     """The one-process trainer of the recipe's `trainer`, `loss` and `advantage` sections."""
-    from asyncgrpo.engine.sampling import GREEDY_BELOW
     from asyncgrpo.trainer.loop import PolicyTrainer
 
     return PolicyTrainer(
