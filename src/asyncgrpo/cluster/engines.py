@@ -254,7 +254,7 @@ def ray_engine_backend(
 
 def _backend(cfg: EngineConfig, process: ActorProcess, log: Path, replica: int, driver_ip: str):
     if cfg.type == "vllm":
-        from asyncgrpo.vllm.backend import VLLMBackend
+        from asyncgrpo.backend.vllm import VLLMBackend
 
         return VLLMBackend(cfg, log, replica, server=process, nccl_address=driver_ip)
     from asyncgrpo.backend.embedded import EmbeddedBackend
