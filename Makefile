@@ -58,9 +58,12 @@ test-ray: $(RAY_STAMP) $(VLLM_VENV)/.installed
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu tests/integration/test_cuda_trainer.py
 
+# ruff, then the import layers of pyproject.toml's [tool.importlinter] (this checkout's src,
+# whichever checkout the venv was installed from).
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	PYTHONPATH=src $(BIN)/lint-imports --no-cache
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests benchmarks

@@ -149,7 +149,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def bench_server(cmd: list[str], env: dict, name: str, args, prompts, eos_id, timeout) -> list:
-    from asyncgrpo.engine.process import free_port
+    from asyncgrpo.ports import free_port
 
     port = free_port()
     log = RESULTS / f"{name}.log"

@@ -136,7 +136,7 @@ def build_run(
         tracker = MetricsTracker(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
-        trainer = make_trainer(cfg, model, run_dir, model_dir, cluster)
+        trainer = make_trainer(cfg, model, run_dir, model_dir, *_trainer_ranks(cfg, cluster))
         builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func)
         repeats = cfg.agent.eval_repeats if agent else 1  # sampled episodes: average some
         run = assemble_run(
@@ -190,6 +190,16 @@ def _cluster(cfg: RunConfig, run_dir: Path) -> Any:
     from asyncgrpo.cluster.placement import RayCluster
 
     return RayCluster(cfg.cluster, run_dir, cfg.engine.replica_count, cfg.trainer.num_processes - 1)
+
+
+def _trainer_ranks(cfg: RunConfig, cluster: Any) -> tuple[Any, str]:
+    """How rank 0 starts the other trainer ranks and the host they reach it at: as actors of
+    the Ray cluster, or (None) as child processes here."""
+    if cluster is None:
+        return None, "127.0.0.1"
+    from asyncgrpo.cluster.ranks import rank_spawner
+
+    return rank_spawner(cluster, cfg.model_dump_json()), cluster.driver_ip
 
 
 def _engine(

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from asyncgrpo.client import EngineClient, EngineHTTPError, EngineUnavailableError, RetryPolicy
-from asyncgrpo.engine.process import free_port
+from asyncgrpo.ports import free_port
 
 
 class StubHandler(BaseHTTPRequestHandler):

@@ -7,6 +7,7 @@ The launcher itself runs on a real two-node Ray cluster in
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -100,3 +101,50 @@ def test_vllm_on_another_node_without_a_transport_that_reaches_it_is_refused():
     cfg = VLLMEngineConfig(model="m", weight_transport="shm")
     with pytest.raises(ConfigError, match="nccl .GPUs. or disk"):
         transport_for(cfg, same_node=False, replica=1)
+
+
+class FakeActor:
+    """A started `RankActor`: records the `run` call rank 0's spawner makes."""
+
+    def __init__(self):
+        self.run_args: list[tuple] = []
+        self.where = SimpleNamespace(remote=lambda: "where-ref")
+        self.run = SimpleNamespace(remote=lambda *args: self.run_args.append(args) or "run-ref")
+
+
+class FakeCluster:
+    """The parts of `RayCluster` that `rank_spawner` uses, without Ray."""
+
+    engines = 1
+    driver_ip = "10.0.0.7"
+
+    def __init__(self):
+        self.started: list[tuple] = []
+        self.ray = SimpleNamespace(remote=lambda cls: cls, get=lambda ref: {"node": "n1"})
+
+    def start(self, actor_class, bundle):
+        actor = FakeActor()
+        self.started.append((actor_class, bundle, actor))
+        return actor
+
+    def note(self, *args):
+        pass
+
+
+def test_wiring_hands_the_trainer_the_clusters_rank_spawner_and_the_drivers_address():
+    from asyncgrpo import wiring
+    from asyncgrpo.cluster.ranks import RankActor, RankHandle
+    from asyncgrpo.config import RunConfig
+
+    cfg = build_config({}, ["trainer.num_processes=3", "cluster.launcher=ray"])
+    assert wiring._trainer_ranks(cfg, None) == (None, "127.0.0.1")  # child processes here
+    cluster = FakeCluster()
+    spawn, host = wiring._trainer_ranks(cfg, cluster)
+    assert host == "10.0.0.7"
+    world = SimpleNamespace(size=3, procs=[])
+    spawn(world, host, 29500)
+    assert [(cls, bundle) for cls, bundle, _ in cluster.started] == [(RankActor, 1), (RankActor, 2)]
+    calls = [actor.run_args for *_, actor in cluster.started]
+    assert [c[0][1:] for c in calls] == [(1, 3, "10.0.0.7", 29500), (2, 3, "10.0.0.7", 29500)]
+    assert RunConfig.model_validate_json(calls[0][0][0]) == cfg
+    assert len(world.procs) == 2 and all(isinstance(p, RankHandle) for p in world.procs)

@@ -1,5 +1,9 @@
 """Config loading: typed sections, overrides, and errors that name the field."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from asyncgrpo.config import ConfigError, RunConfig, build_config, describe, load_config
@@ -46,6 +50,25 @@ def test_every_field_is_documented():
     assert len(lines) > 30
     undocumented = [line for line in lines if line.endswith("# ")]
     assert undocumented == []
+
+
+def test_validating_a_recipe_imports_neither_torch_nor_the_trainer():
+    """Config is the bottom layer: a fresh process checks every recipe (and each loss name)
+    without loading torch, transformers or any of the trainer."""
+    recipes = sorted(str(p) for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+    script = f"""
+import sys
+from asyncgrpo.config import load_config
+for recipe in {recipes!r}:
+    for loss in ("clipped", "cispo", "decoupled_ppo"):
+        load_config(recipe, [f"loss.name={{loss}}"])
+heavy = ("torch", "transformers", "asyncgrpo.trainer")
+print(sorted(m for m in sys.modules if m.split(".")[0] in heavy or m.startswith(heavy)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert len(recipes) >= 3
+    assert out.stdout.strip() == "[]"
 
 
 def test_auto_engine_dtype_follows_the_hardware(monkeypatch):

@@ -380,7 +380,7 @@ class ServerThread:
     def __init__(self, app):
         import uvicorn
 
-        from asyncgrpo.engine.process import free_port
+        from asyncgrpo.ports import free_port
 
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from asyncgrpo.config.training import LOSS_NAMES
 from asyncgrpo.trainer.losses import LOSSES, LossConfig, LossInputs, compute_loss
 
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -443,6 +444,14 @@ def test_mask_modes_zero_tokens_outside_the_cap_and_opsm_drops_sequences():
         loss.backward()
         assert m["opsm_drop_ratio"] == dropped / 2
         assert bool((lp.grad[1] == 0).all()) == bool(dropped)
+
+
+def test_config_accepts_exactly_the_registered_losses():
+    """Config names the losses without importing the trainer: the two lists must agree."""
+    assert len(LOSS_NAMES) == len(set(LOSS_NAMES))
+    assert set(LOSS_NAMES) == set(LOSSES)
+    for name in LOSSES:
+        assert LossConfig(name=name).name == name
 
 
 def test_bad_configs_are_refused_with_the_names():

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 
 from asyncgrpo import cli
 from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.process import free_port
 from asyncgrpo.engine.types import EngineError, SamplingParams
+from asyncgrpo.ports import free_port
 from asyncgrpo.server import ServerSettings, create_app
 from asyncgrpo.vllm.remote_engine import RemoteEngine, ranked, token_delta
 

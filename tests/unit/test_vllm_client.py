@@ -335,13 +335,13 @@ def test_a_launched_server_on_a_non_loopback_host_is_warned_about(tmp_path, capl
 
 
 def test_an_attached_server_on_a_non_loopback_address_is_warned_about(tmp_path, caplog):
-    from asyncgrpo.vllm.backend import VLLMBackend
+    from asyncgrpo.backend.vllm import VLLMBackend
 
     cfg = VLLMEngineConfig(model=str(tmp_path), base_url="http://127.0.0.1:8000")
-    with caplog.at_level("WARNING", logger="asyncgrpo.vllm.backend"):
+    with caplog.at_level("WARNING", logger="asyncgrpo.backend.vllm"):
         run(VLLMBackend(cfg).close())
     assert EXPOSED not in caplog.text
-    with caplog.at_level("WARNING", logger="asyncgrpo.vllm.backend"):
+    with caplog.at_level("WARNING", logger="asyncgrpo.backend.vllm"):
         backend = VLLMBackend(cfg.model_copy(update={"base_url": "http://10.1.2.3:8000"}))
         run(backend.close())
     assert backend.server is None  # attached: nothing is launched

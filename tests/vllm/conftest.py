@@ -21,10 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from asyncgrpo.backend.vllm import VLLMBackend
 from asyncgrpo.config import VLLMEngineConfig
 from asyncgrpo.loop_thread import LoopThread
 from asyncgrpo.testing import save_tiny_vllm_model_dir
-from asyncgrpo.vllm.backend import VLLMBackend
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("ASYNCGRPO_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))

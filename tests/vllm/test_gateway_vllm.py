@@ -38,7 +38,8 @@ from asyncgrpo.agents.runner import run_episode
 from asyncgrpo.agents.trajectory import StopReason
 from asyncgrpo.client import EngineClient
 from asyncgrpo.config import EmbeddedEngineConfig, build_config
-from asyncgrpo.engine.process import EngineProcess, free_port
+from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.ports import free_port
 from asyncgrpo.rollout import episodes as episodes_mod
 from asyncgrpo.run import train
 from asyncgrpo.trainer import policy_trainer as trainer_loop

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import bf16_state, require_vllm, vllm_engine_config
 
-from asyncgrpo.vllm.backend import VLLMBackend
+from asyncgrpo.backend.vllm import VLLMBackend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 

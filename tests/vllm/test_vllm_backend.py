@@ -28,8 +28,8 @@ from conftest import (
 )
 
 from asyncgrpo.backend.embedded import EmbeddedBackend
+from asyncgrpo.backend.vllm import VLLMBackend
 from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.vllm.backend import VLLMBackend
 from asyncgrpo.vllm.client import GENERATE_PATH
 from asyncgrpo.vllm.launcher import PLUGIN_DIR, VLLMServerError
 

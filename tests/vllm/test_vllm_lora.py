@@ -23,7 +23,7 @@ from conftest import TEST_SERVER_ENV, vllm_engine_config
 from safetensors.torch import load_file
 
 from asyncgrpo.adapters import AdapterError
-from asyncgrpo.vllm.backend import VLLMBackend
+from asyncgrpo.backend.vllm import VLLMBackend
 from asyncgrpo.vllm.client import GENERATE_PATH
 from asyncgrpo.vllm.launcher import VLLMServer
 

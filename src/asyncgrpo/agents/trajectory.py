@@ -32,7 +32,7 @@ from enum import Enum
 from typing import Any
 
 from asyncgrpo.agents.toolcalls import inject_tools_fallback, template_renders_tools
-from asyncgrpo.rollout.types import min_version
+from asyncgrpo.coordinator.staleness import min_version
 
 
 class StopReason(str, Enum):

@@ -6,7 +6,7 @@ weights to it. `make_backend` picks the implementation from `engine.type`:
 
 - `embedded` (`embedded.py`): `asyncgrpo serve` as a supervised child process;
 - `external` (`external.py`): a server someone else runs, at `engine.base_url`;
-- `vllm` (`asyncgrpo.vllm.backend`): a vLLM server, launched or attached to.
+- `vllm` (`vllm.py`): a vLLM server, launched or attached to (`asyncgrpo.vllm`).
 
 With `engine.replicas` > 1, `replicas.py` spreads the work over that many
 backends of the type and syncs all of them.
@@ -56,7 +56,7 @@ def make_one_backend(
 
             return ExternalBackend(cfg)
         case VLLMEngineConfig():
-            from asyncgrpo.vllm.backend import VLLMBackend
+            from asyncgrpo.backend.vllm import VLLMBackend
 
             return VLLMBackend(cfg, log_path=log_path, replica=replica, episodes=episodes)
     raise ValueError(f"unknown engine.type {cfg.type!r}")

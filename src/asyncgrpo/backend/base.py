@@ -17,17 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Protocol
-
-import torch
 
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError
+from asyncgrpo.transport import NamedTensors
 
 logger = logging.getLogger(__name__)
-
-NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
 SYNC_POLL_S = 0.5  # how often a sync in progress checks that its engine is still alive
 SYNC_ATTEMPTS = 3  # a sync interrupted by a death or a stall this many times ends the run

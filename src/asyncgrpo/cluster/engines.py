@@ -267,7 +267,7 @@ def _backend(
     cfg: ServedEngineSettings, process: ActorProcess, log: Path, replica: int, driver_ip: str
 ):
     if isinstance(cfg, VLLMEngineConfig):
-        from asyncgrpo.vllm.backend import VLLMBackend
+        from asyncgrpo.backend.vllm import VLLMBackend
 
         return VLLMBackend(cfg, log, replica, server=process, nccl_address=driver_ip)
     from asyncgrpo.backend.embedded import EmbeddedBackend

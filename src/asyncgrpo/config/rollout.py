@@ -9,6 +9,14 @@ from pydantic import Field, field_validator, model_validator
 from asyncgrpo.config.base import Section
 from asyncgrpo.config.sampling import SamplingSettings
 
+# Below this temperature a row is sampled greedily, by the engine (`engine/sampling.py`) and
+# for the trainer's log-probs alike (`trainer/build.py`): here, where both may import it.
+# logits / t overflows float32 to inf once t is tiny (1e-40 gave inf - inf = NaN and tokens
+# past the vocabulary), and long before that the draw is the argmax anyway: at t = 1e-5 a
+# logit gap of 1e-3 already leaves the runner-up less than e^-100 of the mass. vLLM uses
+# 1e-5 too.
+GREEDY_BELOW = 1e-5
+
 
 class LoraConfig(Section):
     r: int = Field(16, ge=1)

@@ -8,6 +8,10 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncgrpo.config.base import Section
 
+# The keys of the trainer's loss registry (`trainer/losses.py:LOSSES`; a unit test keeps the
+# two equal), named here so that validating a recipe needs neither torch nor the trainer.
+LOSS_NAMES = ("clipped", "cispo", "decoupled_ppo")
+
 
 class LossConfig(Section):
     name: str = "clipped"
@@ -46,10 +50,8 @@ class LossConfig(Section):
     @field_validator("name")
     @classmethod
     def _registered(cls, value: str) -> str:
-        from asyncgrpo.trainer.losses import LOSSES
-
-        if value not in LOSSES:
-            raise ValueError(f"unknown loss {value!r}; registered: {sorted(LOSSES)}")
+        if value not in LOSS_NAMES:
+            raise ValueError(f"unknown loss {value!r}; registered: {sorted(LOSS_NAMES)}")
         return value
 
     @model_validator(mode="after")

@@ -52,6 +52,12 @@ def may_admit(
     return queued + in_flight < budget
 
 
+def min_version(versions: list[int]) -> int:
+    """The oldest weight version among sampled tokens (−1 marks inserted ones); 0 if none."""
+    sampled = [v for v in versions if v >= 0]
+    return min(sampled) if sampled else 0
+
+
 def staleness(trainer_version: int, oldest_token_version: int) -> int:
     """How many optimizer steps behind the trainer the oldest token of a sample is."""
     return trainer_version - oldest_token_version

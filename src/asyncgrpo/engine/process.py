@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,12 +26,7 @@ from pathlib import Path
 import httpx
 
 from asyncgrpo.config import EmbeddedEngineConfig
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from asyncgrpo.ports import free_port
 
 
 class EngineProcessError(RuntimeError):

@@ -29,13 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncgrpo.config.rollout import GREEDY_BELOW
 from asyncgrpo.engine.types import MAX_TOP_LOGPROBS
-
-# Below this temperature a row is sampled greedily. logits / t overflows float32 to
-# inf once t is tiny (1e-40 gave inf - inf = NaN and tokens past the vocabulary),
-# and long before that the draw is the argmax anyway: at t = 1e-5 a logit gap of
-# 1e-3 already leaves the runner-up less than e^-100 of the mass. vLLM uses 1e-5 too.
-GREEDY_BELOW = 1e-5
 
 
 @dataclass

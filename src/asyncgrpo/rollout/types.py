@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncgrpo.coordinator.staleness import min_version
+
 
 @dataclass
 class Rollout:
@@ -55,9 +57,3 @@ class Group:
     @property
     def min_version(self) -> int:
         return min(r.min_version for r in self.rollouts)
-
-
-def min_version(versions: list[int]) -> int:
-    """The oldest weight version among sampled tokens (−1 marks inserted ones); 0 if none."""
-    sampled = [v for v in versions if v >= 0]
-    return min(sampled) if sampled else 0

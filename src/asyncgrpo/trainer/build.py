@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from asyncgrpo.config import ConfigError, RunConfig
+from asyncgrpo.config.rollout import GREEDY_BELOW
 from asyncgrpo.trainer.base import Trainer
 
 logger = logging.getLogger(__name__)
@@ -73,10 +74,17 @@ def _checkpoint_activations(model: torch.nn.Module) -> None:
 
 
 def make_trainer(
-    cfg: RunConfig, model: torch.nn.Module, run_dir: Path, model_dir: str, cluster: Any = None
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    run_dir: Path,
+    model_dir: str,
+    spawn: Callable[..., None] | None = None,
+    host: str = "127.0.0.1",
 ) -> Trainer:
     """One process, or rank 0 of `trainer.num_processes` (or of a torchrun launch).
-    `cluster`, a `RayCluster`, starts the other ranks as its actors."""
+    `spawn(world, host, port)` starts the other ranks (default: child processes here; the
+    composition root passes a Ray cluster's, `cluster/ranks.py`), which reach rank 0's
+    store at `host`."""
     from asyncgrpo.trainer.distributed import launched_rank, start_world
 
     core = policy_trainer(cfg, model)
@@ -90,13 +98,7 @@ def make_trainer(
     logger.info("starting %d trainer ranks (%s)", size, cfg.trainer.strategy)
     param = next(model.parameters())
     timeout = cfg.trainer.collective_timeout_s
-    if cluster is None:
-        world = start_world(size, run_dir, model_dir, param, timeout)
-    else:
-        from asyncgrpo.cluster.ranks import rank_spawner
-
-        spawn = rank_spawner(cluster, cfg.model_dump_json())
-        world = start_world(size, run_dir, model_dir, param, timeout, spawn, cluster.driver_ip)
+    world = start_world(size, run_dir, model_dir, param, timeout, spawn, host)
     trainer = DataParallelTrainer(core, world, cfg.trainer.strategy)
     try:
         trainer.start()
@@ -108,7 +110,6 @@ def make_trainer(
 
 def policy_trainer(cfg: RunConfig, model: torch.nn.Module):
     """The one-process trainer of the recipe's `trainer`, `loss` and `advantage` sections."""
-    from asyncgrpo.engine.sampling import GREEDY_BELOW
     from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
     return PolicyTrainer(

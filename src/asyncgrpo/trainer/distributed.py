@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asyncgrpo.engine.process import free_port
+from asyncgrpo.ports import free_port
 
 BUCKET_BYTES = 32 << 20  # gradients are all-reduced this many bytes at a time
 READY_POLL_S = 0.5

@@ -135,6 +135,7 @@ def cispo_surrogate(ratio, logprobs, adv, cfg: LossConfig) -> Surrogate:
     )
 
 
+# `config/training.py:LOSS_NAMES` lists these keys for recipe validation; keep the two equal.
 LOSSES: dict[str, LossSpec] = {
     "clipped": LossSpec(clipped_surrogate, centre="old", intrinsic_weight=False),
     "cispo": LossSpec(cispo_surrogate, centre="old", intrinsic_weight=False),

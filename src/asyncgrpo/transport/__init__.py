@@ -16,10 +16,13 @@ only in how the bytes travel, and all of them move a safetensors image
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
+
+# A model's weights as the trainer hands them over: (name, tensor) pairs in publish order.
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
 
 class WeightTransport(Protocol):

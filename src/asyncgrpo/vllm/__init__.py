@@ -6,4 +6,5 @@ pause/resume, and the four-step weight update. Nothing here imports vllm: the
 server runs in its own environment (`engine.vllm_python`). The one piece that
 runs inside vLLM, `worker_plugin/asyncgrpo_vllm_worker.py`, is loaded by vLLM's
 workers as a top-level module and imports only vllm, torch and safetensors.
+The trainer's side of the boundary, `VLLMBackend`, is `asyncgrpo.backend.vllm`.
 """

@@ -35,7 +35,8 @@ import httpx
 
 from asyncgrpo.config import ConfigError, VLLMEngineConfig
 from asyncgrpo.config.engine import is_loopback
-from asyncgrpo.engine.process import StartGuard, free_port
+from asyncgrpo.engine.process import StartGuard
+from asyncgrpo.ports import free_port
 
 logger = logging.getLogger(__name__)
 

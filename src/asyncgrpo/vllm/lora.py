@@ -23,8 +23,8 @@ from asyncgrpo.adapters import (
     looks_like_adapter,
     save_peft_adapter,
 )
-from asyncgrpo.backend.base import NamedTensors
 from asyncgrpo.config import ConfigError, VLLMEngineConfig
+from asyncgrpo.transport import NamedTensors
 from asyncgrpo.vllm.client import VLLMClient
 
 

@@ -31,7 +31,7 @@ import httpx
 import torch
 
 from asyncgrpo.client.retry import server_message
-from asyncgrpo.engine.process import free_port
+from asyncgrpo.ports import free_port
 from asyncgrpo.vllm.client import VLLMClient
 
 

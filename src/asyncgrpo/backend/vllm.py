@@ -1,10 +1,12 @@
 """`engine.type: vllm`: a vLLM server as the engine that samples for the run.
 
-Launched by asyncgrpo (`launcher.VLLMServer`) or, with `engine.base_url`,
-attached to; structured like `backend/embedded.py`: a client whose retries outlast
-a restart, a weight transport, supervision. Weights travel through the trainer's
+Launched by asyncgrpo (`asyncgrpo.vllm.launcher.VLLMServer`) or, with
+`engine.base_url`, attached to; structured like `embedded.py`: a client whose retries
+outlast a restart, a weight transport, supervision. Weights travel through the trainer's
 existing transports (`shm`, `disk`) into asyncgrpo's worker plugin, or over NCCL
-(`nccl.py`), always inside `publish` (pause, transfer, resume, with the deadline).
+(`asyncgrpo.vllm.nccl`), always inside `publish` (pause, transfer, resume, with the
+deadline). The vLLM-specific pieces it drives live in `asyncgrpo.vllm`, which never
+imports a backend.
 
 A dead engine is one whose server process exited, refuses connections or answers
 /health with 503 (vLLM's API server exits by itself shortly after its engine

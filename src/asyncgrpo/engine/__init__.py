@@ -1,0 +1,1 @@
+"""The embedded inference engine: continuous batching that reports exact behaviour log-probs."""

@@ -1,0 +1,1 @@
+"""The rollout side: prompt rows in, scored and version-stamped groups out."""
