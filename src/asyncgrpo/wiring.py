@@ -197,7 +197,7 @@ def _trainer_ranks(cfg: RunConfig, cluster: Any) -> tuple[Any, str]:
     the Ray cluster, or (None) as child processes here."""
     if cluster is None:
         return None, "127.0.0.1"
-    from asyncgrpo.cluster.ranks import rank_spawner
+    from asyncgrpo.cluster.rank_actors import rank_spawner
 
     return rank_spawner(cluster, cfg.model_dump_json()), cluster.driver_ip
 

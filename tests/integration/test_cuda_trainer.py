@@ -21,8 +21,8 @@ from test_train import start_cli, train_rows, write_recipe
 
 from asyncgrpo.testing import save_tiny_model_dir
 from asyncgrpo.trainer.build import load_policy, policy_trainer
+from asyncgrpo.trainer.data_parallel import DataParallelTrainer
 from asyncgrpo.trainer.distributed import leave, start_world
-from asyncgrpo.trainer.ranks import DataParallelTrainer
 
 pytestmark = pytest.mark.gpu
 

@@ -133,7 +133,7 @@ class FakeCluster:
 
 def test_wiring_hands_the_trainer_the_clusters_rank_spawner_and_the_drivers_address():
     from asyncgrpo import wiring
-    from asyncgrpo.cluster.ranks import RankActor, RankHandle
+    from asyncgrpo.cluster.rank_actors import RankActor, RankHandle
     from asyncgrpo.config import RunConfig
 
     cfg = build_config({}, ["trainer.num_processes=3", "cluster.launcher=ray"])

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from asyncgrpo.trainer import distributed
+from asyncgrpo.trainer.data_parallel import Channel, DataParallelTrainer, serve
 from asyncgrpo.trainer.distributed import (
     World,
     all_reduce_gradients,
     broadcast_parameters,
     require_collective_thread,
 )
-from asyncgrpo.trainer.ranks import Channel, DataParallelTrainer, serve
 from asyncgrpo.trainer.sharded import full, shard_trainer
 
 

@@ -8,7 +8,7 @@ recipe asks for it. What runs where:
 - each engine replica is an `EngineActor` (`engines.py`) that runs the embedded
   engine on its node, bound to the node's address; the driver reaches it over
   HTTP, so agent rollouts and the episode gateway are unchanged;
-- trainer ranks 1..N-1 are `RankActor`s (`ranks.py`) that join rank 0's process
+- trainer ranks 1..N-1 are `RankActor`s (`rank_actors.py`) that join rank 0's process
   group exactly as spawned or torchrun ranks do;
 - all of them share one placement group (`placement.py`), one bundle per actor,
   from `cluster.engine_resources` / `cluster.trainer_resources`.

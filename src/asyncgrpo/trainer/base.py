@@ -1,7 +1,7 @@
 """The `Trainer` protocol: what the training loop needs from whatever trains the policy.
 
 `PolicyTrainer` (`policy_trainer.py`) is the one-process implementation (a LoRA model
-included); `ranks.DataParallelTrainer` is rank 0 of several processes. The loop in
+included); `data_parallel.DataParallelTrainer` is rank 0 of several processes. The loop in
 `run.py` sees only these verbs.
 """
 

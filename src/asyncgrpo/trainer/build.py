@@ -83,7 +83,7 @@ def make_trainer(
 ) -> Trainer:
     """One process, or rank 0 of `trainer.num_processes` (or of a torchrun launch).
     `spawn(world, host, port)` starts the other ranks (default: child processes here; the
-    composition root passes a Ray cluster's, `cluster/ranks.py`), which reach rank 0's
+    composition root passes a Ray cluster's, `cluster/rank_actors.py`), which reach rank 0's
     store at `host`."""
     from asyncgrpo.trainer.distributed import launched_rank, start_world
 
@@ -93,7 +93,7 @@ def make_trainer(
     size = launched[1] if launched else cfg.trainer.num_processes
     if size == 1:
         return core
-    from asyncgrpo.trainer.ranks import DataParallelTrainer
+    from asyncgrpo.trainer.data_parallel import DataParallelTrainer
 
     logger.info("starting %d trainer ranks (%s)", size, cfg.trainer.strategy)
     param = next(model.parameters())

@@ -10,7 +10,7 @@ ranks may run different numbers of micro-batches, and a rank without groups simp
 contributes zeros.
 
 The ranks meet through a `TCPStore` hosted by rank 0 (or by torchrun's agent). Besides
-the process group it carries rank 0's commands to the other ranks (`ranks.py`): plain
+the process group it carries rank 0's commands to the other ranks (`data_parallel.py`): plain
 JSON bytes, never pickle. gloo runs it on CPU, NCCL on GPU; the code is the same.
 """
 

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 def run_follower(cfg: RunConfig) -> None:
     """Serve rank 0 until it says stop; raises when rank 0 is gone or a collective fails."""
     from asyncgrpo.trainer.build import load_policy, policy_trainer
-    from asyncgrpo.trainer.ranks import serve
+    from asyncgrpo.trainer.data_parallel import serve
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)

@@ -111,7 +111,7 @@ class PolicyTrainer:
         model.train()
         self.build_optimizer()
         self.version = 0
-        self.dp_world_size = 1  # data-parallel ranks (`ranks.py` sets it)
+        self.dp_world_size = 1  # data-parallel ranks (`data_parallel.py` sets it)
         self.gradient_sync = None  # averages gradients over the ranks before a step (ddp)
         self.runner = None  # the sharded root module that runs the packed forward (fsdp)
 

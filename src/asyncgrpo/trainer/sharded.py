@@ -12,7 +12,7 @@ Sharding changes three things for the other modules:
   (`Prepared.micro_batches`; short ranks run loss-free filler ones, `loop.PADDING`);
 - gradients are reduce-scattered (averaged) inside backward: no `gradient_sync`;
 - publishing and checkpointing gather full tensors (`full`), a collective that every
-  rank runs in the same order (`ranks.py` sends them the command); loading lays each
+  rank runs in the same order (`data_parallel.py` sends them the command); loading lays each
   full tensor out like the local shard (`checkpoint.py`, `like`).
 
 gloo runs all of it on CPU (a 2-rank run equals one process, tests/integration);

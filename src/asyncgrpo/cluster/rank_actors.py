@@ -3,7 +3,7 @@
 Each `RankActor` sets the launcher environment a torchrun rank would see (RANK,
 WORLD_SIZE, MASTER_ADDR = rank 0's node, MASTER_PORT = its store) and runs the
 same `run_follower` as a spawned rank, so the process group, the commands from
-rank 0 and the failure handling are the ones `trainer/ranks.py` already has.
+rank 0 and the failure handling are the ones `trainer/data_parallel.py` already has.
 `RankHandle` gives rank 0's `World` the `Popen` verbs it watches ranks with
 (`poll`, `wait`, `kill`), answered from the actor's `run` call.
 """
