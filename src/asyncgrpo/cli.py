@@ -256,14 +256,14 @@ def export(args: argparse.Namespace) -> int:
 
 def build_engine(cfg: EmbeddedEngineConfig):
     """(engine, what generates): the embedded engine, or a vLLM server's with `upstream_url`."""
-    from asyncgrpo.engine.types import EngineError
+    from asyncgrpo.engine.types import RequestError
 
     if cfg.upstream_url:
         from asyncgrpo.vllm.remote_engine import RemoteEngine
 
         try:
             engine = RemoteEngine(cfg)
-        except EngineError as exc:
+        except RequestError as exc:
             raise CliError(f"--upstream-url: {exc.message}") from None
         except OSError as exc:  # no tokenizer or config in the model directory
             raise CliError(f"cannot load the tokenizer from {cfg.model}: {exc}") from None

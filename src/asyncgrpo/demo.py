@@ -20,7 +20,8 @@ from pathlib import Path
 from asyncgrpo.cli import CliError, resolve_model_dir
 from asyncgrpo.client import EngineClient
 from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.process import EngineProcess, EngineProcessError
+from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.engine_errors import EngineStartError
 
 QUESTION = [
     {"role": "system", "content": "You are a concise assistant."},
@@ -122,7 +123,7 @@ def _serve_demo(args: argparse.Namespace, model_dir: str) -> int:
         proc.start()
         proc.wait_ready(300)
         asyncio.run(ask(proc, args.max_tokens))
-    except EngineProcessError as exc:
+    except EngineStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncgrpo.backend.embedded import EmbeddedBackend
-from asyncgrpo.client import EngineHTTPError
+from asyncgrpo.client import EngineRefused
 from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.loop_thread import LoopThread
 
@@ -154,7 +154,7 @@ def test_malformed_adapters_are_refused_and_change_nothing(
     async def scenario():
         before = await greedy_and_sampled(engine, prompt, 5)
         info = await engine.client.server_info()
-        with pytest.raises(EngineHTTPError, match=message):  # paused, refused, resumed
+        with pytest.raises(EngineRefused, match=message):  # paused, refused, resumed
             await engine.sync_weights(bad, info["weight_version"] + 1, "keep")
         after = await asyncio.wait_for(greedy_and_sampled(engine, prompt, 5), 60)
         return before, after, info, await engine.client.server_info()

@@ -14,7 +14,8 @@ import threading
 import pytest
 
 from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.process import EngineProcess, EngineProcessError
+from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.engine_errors import EngineStartError
 from asyncgrpo.testing import engine_children
 
 
@@ -52,13 +53,13 @@ def test_a_close_during_a_restart_in_another_thread_leaves_no_engine_running(eng
     closed.set()
     thread.join(60)
     assert not thread.is_alive()
-    assert len(failures) == 1 and isinstance(failures[0], EngineProcessError), failures
+    assert len(failures) == 1 and isinstance(failures[0], EngineStartError), failures
     assert "closed" in str(failures[0])
     assert engine_children() == [] and not engine.alive()
 
 
 def test_a_restart_that_is_not_ready_in_time_stops_its_child(engine):
-    with pytest.raises(EngineProcessError, match="not ready"):
+    with pytest.raises(EngineStartError, match="not ready"):
         engine.restart(0.01)  # the tiny model loads in seconds, not in 10 ms
     assert engine_children() == [] and not engine.alive()
     engine.restart(120)  # and it can still be restarted properly

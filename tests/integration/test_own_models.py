@@ -19,8 +19,9 @@ from transformers import AutoModelForCausalLM
 from asyncgrpo import cli
 from asyncgrpo.config import EmbeddedEngineConfig, EngineSettings, RunConfig
 from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.process import EngineProcess, EngineProcessError, last_words
-from asyncgrpo.engine.types import EngineError
+from asyncgrpo.engine.process import EngineProcess, last_words
+from asyncgrpo.engine.types import RequestError
+from asyncgrpo.engine_errors import EngineStartError
 from asyncgrpo.testing import build_tiny_tokenizer, save_tiny_model_dir
 from asyncgrpo.trainer.checkpoint import (
     TrainingState,
@@ -44,7 +45,7 @@ def test_a_model_with_a_short_context_gets_its_own_limit(tmp_path):
     assert EmbeddedEngineConfig().max_model_len is None  # the default leaves it to the model
     engine = Engine(engine_config(model_dir))
     assert engine.max_model_len == 128
-    with pytest.raises(EngineError, match="max_model_len=256 exceeds .*=128"):
+    with pytest.raises(RequestError, match="max_model_len=256 exceeds .*=128"):
         Engine(engine_config(model_dir, max_model_len=256))
 
 
@@ -68,7 +69,7 @@ def unsupported_model_dir(tmp_path) -> Path:
 
 
 def test_unsupported_architecture_names_an_alternative_that_exists(unsupported_model_dir):
-    with pytest.raises(EngineError) as error:
+    with pytest.raises(RequestError) as error:
         Engine(engine_config(unsupported_model_dir))
     message = error.value.message
     assert "model_type 'gpt2'" in message and "llama" in message
@@ -84,7 +85,7 @@ def test_engine_process_failure_carries_the_cause_from_its_log(tmp_path, unsuppo
         proc = EngineProcess(engine_config(unsupported_model_dir), log_path=log_path)
         proc.start()
         try:
-            with pytest.raises(EngineProcessError) as error:
+            with pytest.raises(EngineStartError) as error:
                 proc.wait_ready(120)
         finally:
             proc.stop()
@@ -150,7 +151,7 @@ def test_serve_on_a_broken_model_prints_the_cause(tmp_path):
     proc = EngineProcess(engine_config(broken), log_path=tmp_path / "engine.log")
     proc.start()
     try:
-        with pytest.raises(EngineProcessError, match="code 2 .*: cannot load model .*Safetensor"):
+        with pytest.raises(EngineStartError, match="code 2 .*: cannot load model .*Safetensor"):
             proc.wait_ready(120)
     finally:
         proc.stop()

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncgrpo.client import EngineClient, EngineHTTPError
+from asyncgrpo.client import EngineClient, EngineRefused
 from asyncgrpo.transport import make_transport
 from asyncgrpo.transport.disk import DIRECTORY_PREFIX
 from asyncgrpo.transport.shm import SEGMENT_PREFIX, shm_directory
@@ -103,16 +103,16 @@ def test_bad_weight_updates_are_refused_and_change_nothing(server, tokenizer):
             info = await client.server_info()
             before = await client.complete(prompt, max_tokens=6, temperature=0, ignore_eos=True)
             transport = make_transport("shm", client)
-            with pytest.raises(EngineHTTPError, match="unknown parameter 'nope.weight'"):
+            with pytest.raises(EngineRefused, match="unknown parameter 'nope.weight'"):
                 await transport.publish([("nope.weight", torch.zeros(3))], 99)
             await transport.close()
-            with pytest.raises(EngineHTTPError, match="start_weight_update"):
+            with pytest.raises(EngineRefused, match="start_weight_update"):
                 await client.update_weights({"path": "/nonexistent"})
             await client.init_weight_transfer_engine("shm")
             await client.start_weight_update()
-            with pytest.raises(EngineHTTPError, match="cannot read weights"):
+            with pytest.raises(EngineRefused, match="cannot read weights"):
                 await client.update_weights({"path": "/nonexistent", "names": []})
-            with pytest.raises(EngineHTTPError, match="unknown weight transfer backend"):
+            with pytest.raises(EngineRefused, match="unknown weight transfer backend"):
                 await client.init_weight_transfer_engine("carrier-pigeon")
             after = await client.complete(prompt, max_tokens=6, temperature=0, ignore_eos=True)
             assert after.samples[0].token_ids == before.samples[0].token_ids
@@ -189,10 +189,10 @@ def test_pause_keep_abort_and_wait(server, tokenizer, model):
 def test_client_raises_4xx_with_the_server_message(server):
     async def scenario():
         async with EngineClient(server.base_url) as client:
-            with pytest.raises(EngineHTTPError) as info:
+            with pytest.raises(EngineRefused) as info:
                 await client.complete([5] * 600, max_tokens=2)
             assert info.value.status == 400 and "max_model_len is 512" in str(info.value)
-            with pytest.raises(EngineHTTPError) as info:
+            with pytest.raises(EngineRefused) as info:
                 await client.pause("keep")  # no token given to this client
             assert info.value.status == 401
 
@@ -360,7 +360,7 @@ def test_integer_weights_are_refused_on_every_backend(server, tokenizer, model):
             for backend in ("shm", "disk", "http"):
                 transport = make_transport(backend, client)
                 try:
-                    with pytest.raises(EngineHTTPError) as info:
+                    with pytest.raises(EngineRefused) as info:
                         await transport.publish(state.items(), version + 1)
                 finally:
                     await transport.close()

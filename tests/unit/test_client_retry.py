@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from asyncgrpo.client import EngineClient, EngineHTTPError, EngineUnavailableError, RetryPolicy
+from asyncgrpo.client import EngineClient, EngineRefused, EngineUnavailable, RetryPolicy
 from asyncgrpo.ports import free_port
 
 
@@ -72,7 +72,7 @@ def test_dead_port_gives_up_at_the_deadline():
     async def scenario():
         async with EngineClient(f"http://127.0.0.1:{free_port()}", retry=policy) as client:
             start = time.monotonic()
-            with pytest.raises(EngineUnavailableError) as info:
+            with pytest.raises(EngineUnavailable) as info:
                 await call(client)
             return time.monotonic() - start, info.value
 
@@ -88,7 +88,7 @@ def test_5xx_is_retried_up_to_max_attempts_then_reported(stub):
         async with EngineClient(f"http://127.0.0.1:{stub.server_address[1]}", retry=policy) as c:
             c.base_url = c.base_url + "/"  # trailing slash is tolerated
             response = None
-            with pytest.raises(EngineUnavailableError) as info:
+            with pytest.raises(EngineUnavailable) as info:
                 response = await c.request("POST", "/v1/fail", json={})
             return response, info.value
 
@@ -116,7 +116,7 @@ def test_transient_5xx_then_success(stub):
 def test_4xx_raises_at_once_with_the_server_message(stub):
     async def scenario():
         async with EngineClient(f"http://127.0.0.1:{stub.server_address[1]}") as c:
-            with pytest.raises(EngineHTTPError) as info:
+            with pytest.raises(EngineRefused) as info:
                 await c.request("POST", "/v1/bad", json={})
             return info.value
 
@@ -128,7 +128,7 @@ def test_4xx_raises_at_once_with_the_server_message(stub):
 def test_wait_until_healthy_times_out():
     async def scenario():
         async with EngineClient(f"http://127.0.0.1:{free_port()}") as client:
-            with pytest.raises(EngineUnavailableError, match="not healthy"):
+            with pytest.raises(EngineUnavailable, match="not healthy"):
                 await client.wait_until_healthy(timeout=0.5, poll=0.05)
 
     asyncio.run(scenario())

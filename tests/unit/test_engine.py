@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.types import EngineError, PauseMode, SamplingParams
+from asyncgrpo.engine.types import PauseMode, RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +143,11 @@ def test_stop_token_and_stop_string(engine):
 
 
 def test_rejects_bad_requests_and_keeps_serving(engine):
-    with pytest.raises(EngineError, match="max_model_len"):
+    with pytest.raises(RequestError, match="max_model_len"):
         run(collect(engine, [5] * (engine.max_model_len + 1), max_tokens=1))
-    with pytest.raises(EngineError):
+    with pytest.raises(RequestError):
         run(collect(engine, [engine.vocab_size + 10], max_tokens=1))
-    with pytest.raises(EngineError):
+    with pytest.raises(RequestError):
         run(collect(engine, [1, 2], max_tokens=0))
     assert run(collect(engine, [1, 2, 3], max_tokens=2, temperature=0))[0]["finish"] == "length"
 
@@ -208,7 +208,7 @@ def test_pause_modes_and_weight_update(tiny_model_dir, reference):
         assert task.done() and (await task)[0]["finish"] == "length"
         await eng.resume()
         # a bad update names the parameter and changes nothing
-        with pytest.raises(EngineError, match="unknown parameter"):
+        with pytest.raises(RequestError, match="unknown parameter"):
             await eng.update_weights([("nope.weight", torch.zeros(1))])
         again = (await collect(eng, prompt, max_tokens=8, temperature=0, ignore_eos=True))[0]
         assert again["ids"] == after["ids"]
@@ -305,7 +305,7 @@ def test_a_request_whose_sampling_raises_fails_alone(engine, monkeypatch):
 
     reference = run(collect(engine, prompt, **greedy))
     normal, poisoned = run(scenario())
-    assert isinstance(poisoned, EngineError) and "poisoned row" in poisoned.message
+    assert isinstance(poisoned, RequestError) and "poisoned row" in poisoned.message
     assert poisoned.status == 400 and "top_p=0.123" in poisoned.message
     assert seen["mixed_batch_failures"] >= 1  # it failed while batched with the normal one
     assert normal == reference

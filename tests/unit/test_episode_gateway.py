@@ -32,9 +32,9 @@ from asyncgrpo.agents.runner import (
 )
 from asyncgrpo.agents.tools import ToolBox
 from asyncgrpo.agents.trajectory import BranchSequence, StopReason
-from asyncgrpo.client import EngineClient, EngineUnavailableError
+from asyncgrpo.client import EngineClient, EngineUnavailable
 from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.types import EngineError, TokenDelta
+from asyncgrpo.engine.types import RequestError, TokenDelta
 from asyncgrpo.server import ServerSettings, create_app
 from asyncgrpo.server.episodes import EpisodeRegistry, ReplayCache, body_digest
 from asyncgrpo.testing import build_tiny_tokenizer
@@ -147,7 +147,7 @@ def test_replay_cache_forgets_failed_originals_and_old_entries():
         loop = asyncio.get_running_loop()
         ok, failed = loop.create_future(), loop.create_future()
         ok.set_result({"id": 1})
-        failed.set_exception(EngineError("boom", 500))
+        failed.set_exception(RequestError("boom", 500))
         cache.put("ok", ok)
         cache.put("failed", failed)
         assert cache.get("ok") is ok and cache.get("failed") is None
@@ -173,7 +173,7 @@ def test_registry_bounds_open_episodes_and_expires_idle_ones():
     registry = EpisodeRegistry(max_open=2, idle_timeout_s=10, max_turns=5, clock=clock)
     a, b = registry.create(None), registry.create(None, max_turns=50)
     assert b.max_turns == 5  # the server's cap wins
-    with pytest.raises(EngineError) as full:
+    with pytest.raises(RequestError) as full:
         registry.create(None)
     assert full.value.status == 503
     clock.now = 6
@@ -182,7 +182,7 @@ def test_registry_bounds_open_episodes_and_expires_idle_ones():
     registry.create(None)  # `b` idled out, freeing a place
     assert b.closed and b.id not in registry.open and a.id in registry.open
     assert registry.stats() == {"open": 2, "max_open": 2, "opened": 3, "refused": 1, "expired": 1}
-    with pytest.raises(EngineError) as expired:
+    with pytest.raises(RequestError) as expired:
         registry.authorize(b.id, f"Bearer {b.key}")
     assert expired.value.status == 409
 
@@ -196,15 +196,15 @@ def test_registry_answers_401_alike_for_unknown_ids_and_wrong_keys():
         (a.id, a.key),  # no scheme
         (a.id, ""),
     ]:
-        with pytest.raises(EngineError) as refused:
+        with pytest.raises(RequestError) as refused:
             registry.authorize(episode_id, header)
         assert refused.value.status == 401 and "unknown episode or wrong" in refused.value.message
     registry.retire(a)
-    with pytest.raises(EngineError) as wrong_key:
+    with pytest.raises(RequestError) as wrong_key:
         registry.authorize(a.id, f"Bearer {b.key}")
     assert wrong_key.value.status == 401  # a closed episode is not revealed either
     registry.retire(b)  # evicts a's tombstone (max_tombstones=1)
-    with pytest.raises(EngineError) as forgotten:
+    with pytest.raises(RequestError) as forgotten:
         registry.authorize(a.id, f"Bearer {a.key}")
     assert forgotten.value.status == 401
 
@@ -572,7 +572,7 @@ def test_classify_exceptions():
         (status_error(openai.BadRequestError, 400, "its max_turns (3)"), StopReason.MAX_TURNS),
         (status_error(openai.BadRequestError, 400, "top_p must be"), StopReason.TOOL_ERROR),
         (status_error(openai.NotFoundError, 404, "model"), StopReason.TOOL_ERROR),
-        (EngineUnavailableError("down"), StopReason.INFRA_ERROR),
+        (EngineUnavailable("down"), StopReason.INFRA_ERROR),
         (KeyError("x"), StopReason.TOOL_ERROR),
     ]
     assert [classify(exc) for exc, _ in cases] == [reason for _, reason in cases]

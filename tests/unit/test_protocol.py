@@ -3,7 +3,7 @@ settings and values, the bounds that keep one request from hurting the others.""
 
 import pytest
 
-from asyncgrpo.engine.types import EngineError, SamplingParams
+from asyncgrpo.engine.types import RequestError, SamplingParams
 from asyncgrpo.server.prompts import (
     check_text_fits,
     longest_token_chars,
@@ -65,11 +65,11 @@ def test_template_errors_and_image_parts_are_400s(tokenizer):
             ]
         }
     )
-    with pytest.raises(EngineError, match="only text"):
+    with pytest.raises(RequestError, match="only text"):
         render_chat(tokenizer, image)
     broken = build_tiny_tokenizer()
     broken.chat_template = "{{ raise_exception('no system role') }}"
-    with pytest.raises(EngineError, match="no system role"):
+    with pytest.raises(RequestError, match="no system role"):
         render_chat(
             broken,
             ChatCompletionRequest.model_validate(
@@ -97,15 +97,15 @@ def test_prompt_forms_and_sampling_settings():
     )
     assert chat.top_logprobs_count() == 0
     for bad in ({"echo": True}, {"logit_bias": {"1": 2.0}}, {"frequency_penalty": 0.5}):
-        with pytest.raises(EngineError):
+        with pytest.raises(RequestError):
             CompletionRequest(prompt="x", **bad).sampling_params(4, 0)
 
 
 LIMITS = RequestLimits(max_model_len=64, vocab_size=512, max_num_seqs=8, max_request_sequences=16)
 
 
-def refusal(request, limits=LIMITS, prompts=1) -> EngineError:
-    with pytest.raises(EngineError) as info:
+def refusal(request, limits=LIMITS, prompts=1) -> RequestError:
+    with pytest.raises(RequestError) as info:
         request.check(limits, prompts)
     assert info.value.status == 400
     return info.value
@@ -180,7 +180,7 @@ def test_size_bound_never_refuses_a_text_that_fits(tokenizer):
     ]
     for text in texts:
         assert len(tokenizer(text)["input_ids"]) >= len(text) / longest
-    with pytest.raises(EngineError, match="max_model_len is 64") as info:
+    with pytest.raises(RequestError, match="max_model_len is 64") as info:
         check_text_fits(tokenizer, 64 * longest + 1, "prompt", 64)
     assert info.value.param == "prompt"
     check_text_fits(tokenizer, 63 * longest, "prompt", 64)
@@ -199,9 +199,9 @@ def test_prompts_are_size_checked_before_tokenizing(tokenizer):
 
     counting = CountingTokenizer()
     too_long = "x" * (64 * longest_token_chars(tokenizer) + 1)
-    with pytest.raises(EngineError, match="max_model_len is 64"):
+    with pytest.raises(RequestError, match="max_model_len is 64"):
         tokenize_prompts(counting, [too_long], True, LIMITS)
-    with pytest.raises(EngineError, match="surrogate"):
+    with pytest.raises(RequestError, match="surrogate"):
         tokenize_prompts(counting, ["a\udfffb"], True, LIMITS)
     assert calls == []
     assert tokenize_prompts(counting, ["hi", [3, 4]], False, LIMITS)[1] == [3, 4]

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from asyncgrpo import cli
 from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.types import EngineError, SamplingParams
+from asyncgrpo.engine.types import RequestError, SamplingParams
 from asyncgrpo.ports import free_port
 from asyncgrpo.server import ServerSettings, create_app
 from asyncgrpo.vllm.remote_engine import RemoteEngine, ranked, token_delta
@@ -162,7 +162,7 @@ def test_version_spans_expand_to_one_version_per_token():
         ([1, 2, 3], [{"version": "1", "start": 0, "end": 2}]),
         ([1, 2], [{"version": "m1", "start": 0, "end": 2}]),
     ]:
-        with pytest.raises(EngineError) as refused:
+        with pytest.raises(RequestError) as refused:
             token_delta(choice(ids, bad), 0)
         assert refused.value.status == 502
 
@@ -197,12 +197,12 @@ def test_upstream_errors_keep_their_meaning(make_engine):
     fake.status = 400
     fake.error = {"error": {"message": "n must be 1 when using greedy sampling, got 2.",
                             "type": "BadRequestError", "param": None, "code": 400}}  # fmt: skip
-    with pytest.raises(EngineError) as refused:
+    with pytest.raises(RequestError) as refused:
         asyncio.run(collect(engine, [1], SamplingParams(n=2, temperature=0.0)))
     assert refused.value.status == 400
     assert refused.value.message == "n must be 1 when using greedy sampling, got 2."
     fake.status, fake.error = 500, {"error": {"message": "EngineCore encountered an issue."}}
-    with pytest.raises(EngineError) as failed:
+    with pytest.raises(RequestError) as failed:
         asyncio.run(collect(engine, [1], SamplingParams()))
     assert failed.value.status == 502 and "EngineCore encountered an issue." in failed.value.message
 
@@ -222,14 +222,14 @@ def test_an_unreachable_upstream_is_a_503_and_a_dropped_connection_is_retried_on
     [delta] = asyncio.run(collect(engine, [1], SamplingParams()))
     assert delta.token_ids == [11, 12, 13] and not failures
     failures[:] = [httpx.ConnectError("connection refused")]
-    with pytest.raises(EngineError) as down:
+    with pytest.raises(RequestError) as down:
         asyncio.run(collect(engine, [1], SamplingParams()))
     assert down.value.status == 503 and UPSTREAM in down.value.message
 
 
 def test_no_seed_reaches_a_cpu_vllm(make_engine):
     engine, fake = make_engine(FakeVLLM(device="cpu"))
-    with pytest.raises(EngineError) as refused:
+    with pytest.raises(RequestError) as refused:
         asyncio.run(collect(engine, [1], SamplingParams(seed=3)))
     assert refused.value.status == 400 and refused.value.param == "seed"
     assert fake.generate_bodies() == []
@@ -239,14 +239,14 @@ def test_no_seed_reaches_a_cpu_vllm(make_engine):
 
 
 def test_the_upstream_is_checked_at_start(make_engine):
-    with pytest.raises(EngineError, match="--enable-scale-out"):
+    with pytest.raises(RequestError, match="--enable-scale-out"):
         make_engine(FakeVLLM(scale_out=False))
-    with pytest.raises(EngineError, match="--logprobs-mode processed_logprobs"):
+    with pytest.raises(RequestError, match="--logprobs-mode processed_logprobs"):
         make_engine(FakeVLLM(logprobs_mode="raw_logprobs"))
-    with pytest.raises(EngineError, match="exceeds the vLLM server's max_model_len=512"):
+    with pytest.raises(RequestError, match="exceeds the vLLM server's max_model_len=512"):
         make_engine(max_model_len=1024)
     assert make_engine(max_model_len=256)[0].max_model_len == 256
-    with pytest.raises(EngineError, match="is not a vLLM server"):
+    with pytest.raises(RequestError, match="is not a vLLM server"):
         make_engine(httpx.MockTransport(lambda request: httpx.Response(404)))
 
 

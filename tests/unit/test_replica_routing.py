@@ -15,10 +15,9 @@ import asyncio
 
 import pytest
 
-from asyncgrpo.backend.base import EngineDied
 from asyncgrpo.backend.replicas import ReplicaBackend
-from asyncgrpo.client.retry import EngineHTTPError
 from asyncgrpo.client.router import RoutedClient
+from asyncgrpo.engine_errors import EngineDied, EngineRefused
 
 
 class FakeClient:
@@ -187,7 +186,7 @@ def test_an_episode_stays_on_the_replica_that_opened_it_and_counts_as_outstandin
         assert clients[0].open == {first["episode_id"]}
         assert [c.outstanding for c in router.counts] == [1, 1]
         assert [c.episodes for c in router.counts] == [2, 1]
-        with pytest.raises(EngineHTTPError) as again:  # as the server refuses a second close
+        with pytest.raises(EngineRefused) as again:  # as the server refuses a second close
             await router.close_episode(third["episode_id"], 1.0)
         assert again.value.status == 404
         stats = await router.episode_stats()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from asyncgrpo.engine.types import EngineError
+from asyncgrpo.engine.types import RequestError
 from asyncgrpo.server.weights import WeightReceiver
 from asyncgrpo.transport import make_transport
 from asyncgrpo.transport.disk import WEIGHTS_FILE, write_safetensors_file
@@ -219,7 +219,7 @@ def test_receiver_reads_disk_weights_only_under_weights_dir(tmp_path):
             root / "missing",
             root / ".." / "outside",
         ]:
-            with pytest.raises(EngineError) as refused:
+            with pytest.raises(RequestError) as refused:
                 await receiver.add_description({"path": str(path)})
             messages.add(refused.value.message.replace(repr(str(path)), "<path>"))
         return messages

@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from asyncgrpo.client import EngineProtocolError
-from asyncgrpo.client.retry import EngineUnavailableError, RetryPolicy
+from asyncgrpo.client.retry import RetryPolicy
 from asyncgrpo.config import VLLMEngineConfig
+from asyncgrpo.engine_errors import EngineUnavailable
 from asyncgrpo.vllm.client import GENERATE_PATH, VLLMClient, expand_spans, parse_version
 from asyncgrpo.vllm.launcher import PLUGIN_DIR, VLLMServer, VLLMServerError
 
@@ -206,7 +207,7 @@ def test_generation_is_retried_through_a_dying_server_but_control_calls_are_not(
     )
     client = make_client(server)
     assert run(client.complete([1])).samples[0].token_ids == [7]
-    with pytest.raises(EngineUnavailableError, match="EngineCore encountered an issue"):
+    with pytest.raises(EngineUnavailable, match="EngineCore encountered an issue"):
         run(client.update_weights({"path": "x"}))
     assert server.paths().count("/update_weights") == 1
 

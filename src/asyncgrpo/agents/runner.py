@@ -58,7 +58,7 @@ from asyncgrpo.agents.rollout_api import LLM, Result, RewardError, RolloutFn
 from asyncgrpo.agents.rollout_api import reward_scope as reward_scope  # re-exported
 from asyncgrpo.agents.tools import ToolBox
 from asyncgrpo.agents.trajectory import BranchSequence, EpisodeMetrics, EpisodeResult, StopReason
-from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError
+from asyncgrpo.engine_errors import EngineRefused, EngineUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,9 @@ def classify(exc: BaseException) -> StopReason:
     """The stop reason for an exception that escaped a rollout (see the module docstring)."""
     if isinstance(exc, RewardError):
         return StopReason.REWARD_ERROR
-    if isinstance(exc, (EngineUnavailableError, ConnectionError)):
+    if isinstance(exc, (EngineUnavailable, ConnectionError)):
         return StopReason.INFRA_ERROR
-    if isinstance(exc, EngineHTTPError):
+    if isinstance(exc, EngineRefused):
         return StopReason.INFRA_ERROR
     try:
         import openai
@@ -149,7 +149,7 @@ async def run_episode(
     started = time.monotonic()
     try:
         opened = await client.open_episode(max_turns=max_turns)
-    except EngineUnavailableError as exc:  # a 4xx (no gateway there, bad token) is raised
+    except EngineUnavailable as exc:  # a 4xx (no gateway there, bad token) is raised
         return EpisodeOutcome(None, StopReason.INFRA_ERROR, [], error=_describe(exc))
     episode_id = opened["episode_id"]
     llm = LLM(opened["base_url"], opened["api_key"], opened["model"], call_timeout_s)

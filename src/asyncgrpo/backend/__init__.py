@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from asyncgrpo.backend.base import EngineBackend, EngineDied
+from asyncgrpo.backend.base import EngineBackend
 from asyncgrpo.config import (
     EmbeddedEngineConfig,
     EngineSettings,
     ExternalEngineConfig,
     VLLMEngineConfig,
 )
+from asyncgrpo.engine_errors import EngineDied
 
 
 def make_backend(cfg: EngineSettings, run_dir: Path, episodes: bool = False) -> EngineBackend:

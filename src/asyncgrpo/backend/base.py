@@ -21,25 +21,19 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from asyncgrpo.client import EngineClient
-from asyncgrpo.client.retry import EngineHTTPError, EngineUnavailableError
+from asyncgrpo.engine_errors import (
+    EngineDied,
+    EngineLostInSync,
+    EngineRefused,
+    EngineUnavailable,
+    SyncTimeout,
+)
 from asyncgrpo.transport import NamedTensors
 
 logger = logging.getLogger(__name__)
 
 SYNC_POLL_S = 0.5  # how often a sync in progress checks that its engine is still alive
 SYNC_ATTEMPTS = 3  # a sync interrupted by a death or a stall this many times ends the run
-
-
-class EngineDied(RuntimeError):
-    """The engine died and could not be brought back (restarts exhausted or impossible)."""
-
-
-class SyncTimeout(RuntimeError):
-    """A weight sync missed `engine.sync_timeout_s` (the engine stalled without dying)."""
-
-
-class EngineGone(RuntimeError):
-    """The engine process died during a weight sync."""
 
 
 class EngineBackend(Protocol):
@@ -104,7 +98,7 @@ async def publish(
     timings: dict[str, float] | None = None,
 ) -> None:
     """The sync on one engine (pause, send and finish with `version`, resume) within
-    `timeout_s`: `SyncTimeout` after it, `EngineGone` as soon as `gone()` is true.
+    `timeout_s`: `SyncTimeout` after it, `EngineLostInSync` as soon as `gone()` is true.
     `timings`, if given, receives the seconds of each step (`pause_s`, `transfer_s`,
     `resume_s`) and the engine's paused time (`paused_s`, from pause to resumed)."""
     step = ["pausing the engine"]  # where the sync is, for the messages
@@ -133,7 +127,7 @@ async def publish(
             if task.done():
                 break
             if gone():
-                raise EngineGone(f"the engine died during weight sync ({step[0]})")
+                raise EngineLostInSync(f"the engine died during weight sync ({step[0]})")
             if now - start >= timeout_s:
                 raise SyncTimeout(
                     f"weight sync of version {version} to the engine did not finish within "
@@ -170,7 +164,7 @@ async def sync_until_landed(
     """`publish` to a backend's own engine until the sync lands.
 
     Before each attempt the backend revives a dead engine. A death during the sync
-    (`EngineGone`) repeats it; a stall (`SyncTimeout`) goes to `on_stall`, which kills
+    (`EngineLostInSync`) repeats it; a stall (`SyncTimeout`) goes to `on_stall`, which kills
     the engine (the next attempt restarts it) or raises; an HTTP failure goes to
     `on_refused(exc, attempt)`, which raises, or returns to repeat the sync when the
     engine died under it. After `SYNC_ATTEMPTS` attempts, `EngineDied` names `engine`
@@ -190,11 +184,11 @@ async def sync_until_landed(
                 gone=gone,
                 timings=backend.sync_timings,
             )
-        except EngineGone as exc:
+        except EngineLostInSync as exc:
             logger.warning("%s (attempt %d)", exc, attempt + 1)
         except SyncTimeout as exc:
             await on_stall(exc)
-        except (EngineUnavailableError, EngineHTTPError) as exc:
+        except (EngineUnavailable, EngineRefused) as exc:
             await on_refused(exc, attempt)
     raise EngineDied(
         f"weight sync failed {SYNC_ATTEMPTS} times: {engine} died or missed "

@@ -15,11 +15,12 @@ import asyncio
 import logging
 from pathlib import Path
 
-from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, sync_until_landed
+from asyncgrpo.backend.base import NamedTensors, sync_until_landed
 from asyncgrpo.client import EngineClient
-from asyncgrpo.client.retry import EngineHTTPError, RetryPolicy
+from asyncgrpo.client.retry import RetryPolicy
 from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.engine_errors import EngineDied, EngineRefused, SyncTimeout
 from asyncgrpo.transport import make_transport
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class EmbeddedBackend:
         await asyncio.to_thread(self.process.kill)  # SIGKILL works on a stopped one
 
     async def _refused(self, exc: Exception, attempt: int) -> None:
-        if isinstance(exc, EngineHTTPError):  # a refused update changed nothing: resume
+        if isinstance(exc, EngineRefused):  # a refused update changed nothing: resume
             await self.client.resume()
         raise exc
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 
-from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, publish
+from asyncgrpo.backend.base import NamedTensors, publish
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import RetryPolicy
 from asyncgrpo.config import ExternalEngineConfig
+from asyncgrpo.engine_errors import EngineDied, SyncTimeout
 from asyncgrpo.transport import make_transport
 
 

@@ -29,8 +29,9 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Iterable, Sequence
 
-from asyncgrpo.backend.base import EngineBackend, EngineDied, NamedTensors
+from asyncgrpo.backend.base import EngineBackend, NamedTensors
 from asyncgrpo.client.router import RoutedClient
+from asyncgrpo.engine_errors import EngineDied
 
 logger = logging.getLogger(__name__)
 

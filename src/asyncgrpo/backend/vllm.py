@@ -41,11 +41,12 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from asyncgrpo.backend.base import EngineDied, NamedTensors, SyncTimeout, sync_until_landed
+from asyncgrpo.backend.base import NamedTensors, sync_until_landed
 from asyncgrpo.client import EngineClient
-from asyncgrpo.client.retry import EngineUnavailableError, RetryPolicy
+from asyncgrpo.client.retry import RetryPolicy
 from asyncgrpo.config import ConfigError, VLLMEngineConfig
 from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.engine_errors import EngineDied, EngineUnavailable, SyncTimeout
 from asyncgrpo.transport import make_transport
 from asyncgrpo.vllm.client import NO_RETRY, VLLMClient
 from asyncgrpo.vllm.generate_request import seeds_are_safe
@@ -240,7 +241,7 @@ class VLLMBackend:
         A dropped connection gets `DEATH_GRACE_S` to show as a death: a killed engine
         actor reaches Ray, and its reaper kills the server, a moment after the request
         broke (a Ray test saw the sync raise in that moment)."""
-        grace = DEATH_GRACE_S if isinstance(exc, EngineUnavailableError) else 0.0
+        grace = DEATH_GRACE_S if isinstance(exc, EngineUnavailable) else 0.0
         if self.server is None or not await self._dies_within(grace):
             await self._resume_after_failure()
             raise exc

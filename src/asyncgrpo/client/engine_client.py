@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 
 from asyncgrpo.client.episodes import EpisodeGatewayMixin
-from asyncgrpo.client.retry import EngineUnavailableError, RetryPolicy, send_with_retry
+from asyncgrpo.client.retry import RetryPolicy, send_with_retry
+from asyncgrpo.engine_errors import EngineProtocolError, EngineUnavailable
 
 UNKNOWN_VERSION = -1
 
@@ -46,10 +47,6 @@ class Completion:
     prompt_token_ids: list[int]
     id: str = ""
     usage: dict = field(default_factory=dict)
-
-
-class EngineProtocolError(RuntimeError):
-    """The server answered 2xx with a body that breaks the protocol (e.g. lengths disagree)."""
 
 
 class EngineClient(EpisodeGatewayMixin):
@@ -203,13 +200,13 @@ class EngineClient(EpisodeGatewayMixin):
         return response.status_code == 200
 
     async def wait_until_healthy(self, timeout: float = 300.0, poll: float = 0.25) -> None:
-        """Poll `/health` until it answers 200; `EngineUnavailableError` after `timeout` s."""
+        """Poll `/health` until it answers 200; `EngineUnavailable` after `timeout` s."""
         import asyncio
 
         deadline = time.monotonic() + timeout
         while not await self.health():
             if time.monotonic() >= deadline:
-                raise EngineUnavailableError(
+                raise EngineUnavailable(
                     f"engine at {self.base_url} not healthy within {timeout:.0f}s"
                 )
             await asyncio.sleep(poll)

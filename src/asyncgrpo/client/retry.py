@@ -7,8 +7,8 @@ it forever is how other RL stacks hang their rollout workers. So:
 
 - connection errors, timeouts and 5xx answers are retried with exponential
   backoff, up to `max_attempts` and never past `deadline` seconds;
-- a 4xx answer raises `EngineHTTPError` at once, carrying the server's message;
-- when retries run out, `EngineUnavailableError` says what the last failure was.
+- a 4xx answer raises `EngineRefused` at once, carrying the server's message;
+- when retries run out, `EngineUnavailable` says what the last failure was.
 
 `deadline` bounds the retrying, not one attempt: a long generation is governed
 by the client's per-request timeout, a separate knob.
@@ -24,24 +24,7 @@ from dataclasses import dataclass
 
 import httpx
 
-
-class EngineHTTPError(Exception):
-    """The engine refused a request (4xx). Not retried: the same request would fail again."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
-        self.message = message
-
-
-class EngineUnavailableError(Exception):
-    """The engine could not be reached, or kept failing (5xx), until the retry budget ran out."""
-
-    def __init__(self, message: str, status: int | None = None, attempts: int = 0):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.attempts = attempts
+from asyncgrpo.engine_errors import EngineRefused, EngineUnavailable
 
 
 @dataclass
@@ -84,8 +67,8 @@ async def send_with_retry(
 ) -> httpx.Response:
     """Call `send` until it returns a non-5xx response, within `policy`.
 
-    Returns 2xx/3xx responses; raises `EngineHTTPError` on 4xx and
-    `EngineUnavailableError` when the attempts or the deadline run out.
+    Returns 2xx/3xx responses; raises `EngineRefused` on 4xx and
+    `EngineUnavailable` when the attempts or the deadline run out.
     """
     start = time.monotonic()
     attempts = 0
@@ -101,11 +84,11 @@ async def send_with_retry(
                 return response
             message = server_message(response)
             if response.status_code < 500:
-                raise EngineHTTPError(response.status_code, message)
+                raise EngineRefused(response.status_code, message)
             status, last = response.status_code, f"HTTP {response.status_code}: {message}"
         remaining = policy.deadline - (time.monotonic() - start)
         if attempts >= policy.max_attempts or remaining <= 0:
-            raise EngineUnavailableError(
+            raise EngineUnavailable(
                 f"{what} failed after {attempts} attempt(s) in "
                 f"{time.monotonic() - start:.1f}s; last error: {last}",
                 status,

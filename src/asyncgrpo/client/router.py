@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from asyncgrpo.client.retry import EngineHTTPError
+from asyncgrpo.engine_errors import EngineRefused
 
 
 @dataclass
@@ -166,7 +166,7 @@ class RoutedClient:
         try:
             return self._episode_replica[episode_id]
         except KeyError:
-            raise EngineHTTPError(
+            raise EngineRefused(
                 404, f"episode {episode_id!r} is not open (not opened here, or closed)"
             ) from None
 

@@ -52,7 +52,7 @@ from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.request import Request
 from asyncgrpo.engine.runner import ModelRunner
 from asyncgrpo.engine.scheduler import Scheduler
-from asyncgrpo.engine.types import EngineError, PauseMode, SamplingParams, TokenDelta
+from asyncgrpo.engine.types import PauseMode, RequestError, SamplingParams, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class _EngineThread:
     def _require_alive(self) -> None:
         # a command queued to a dead engine thread would never run: fail fast instead
         if not self.is_alive():
-            raise EngineError("the engine is not running", 503)
+            raise RequestError("the engine is not running", 503)
 
     def _call(self, fn: Callable[[], None]) -> None:
         self._commands.put(fn)
@@ -124,7 +124,7 @@ class Engine(_EngineThread):
 
     def __init__(self, config: EmbeddedEngineConfig):
         if config.model is None:
-            raise EngineError("engine.model: no model directory given", 500)
+            raise RequestError("engine.model: no model directory given", 500)
         self.config = config
         self.dtype = getattr(torch, config.resolved_dtype())
         self.compute_dtype = getattr(torch, config.resolved_compute_dtype())
@@ -216,23 +216,23 @@ class Engine(_EngineThread):
                 self.abort(request.id)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise the EngineError `generate` would raise for this request, without running it.
+        """Raise the RequestError `generate` would raise for this request, without running it.
 
         The server calls it for every prompt before a response starts, so a bad
         request is a clean 4xx and never a half-written stream.
         """
         if not self.is_alive():
-            raise EngineError("the engine is not running", 503)
+            raise RequestError("the engine is not running", 503)
         params.validate()
         _check_prompt(prompt_ids, self.max_model_len, self.vocab_size)
         if params.n > self.config.max_num_seqs:
-            raise EngineError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+            raise RequestError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
 
     def _make_request(self, prompt_ids, params: SamplingParams, request_id) -> Request:
         self.check_request(prompt_ids, params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.scheduler.live:
-            raise EngineError(f"request id {rid!r} is already running", 409)
+            raise RequestError(f"request id {rid!r} is already running", 409)
         request = Request.create(rid, prompt_ids, params, self.max_model_len, self.vocab_size)
         self.scheduler.live[rid] = request
         return request
@@ -290,7 +290,7 @@ class Engine(_EngineThread):
             if pairs is not None:
                 check_against(pairs, self._params, tied_names(self._params))
         except AdapterError as exc:
-            raise EngineError(str(exc)) from None
+            raise RequestError(str(exc)) from None
         if pairs is None:
             check_update(self._params, staged)
 
@@ -318,7 +318,7 @@ class Engine(_EngineThread):
         # Cache tensors are created and updated only here, all as inference tensors.
         with torch.inference_mode():
             self._serve_forever()
-        self.scheduler.fail_all(EngineError("engine shut down", 503))
+        self.scheduler.fail_all(RequestError("engine shut down", 503))
 
     def _serve_forever(self) -> None:
         while not self._stop:
@@ -369,11 +369,11 @@ def _run_commands(commands: queue.SimpleQueue) -> None:
 
 def _check_prompt(prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
     if not prompt_ids:
-        raise EngineError("prompt is empty")
+        raise RequestError("prompt is empty")
     if len(prompt_ids) + 1 > max_model_len:
-        raise EngineError(
+        raise RequestError(
             f"prompt has {len(prompt_ids)} tokens but max_model_len is {max_model_len} "
             "(prompt + at least one generated token must fit)"
         )
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
-        raise EngineError(f"prompt token ids must be in [0, {vocab_size})")
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size})")

@@ -1,6 +1,6 @@
 """Loading a model into the embedded engine, and checking what may replace its weights.
 
-Both refuse early with an `EngineError` that says what to do: a model whose
+Both refuse early with an `RequestError` that says what to do: a model whose
 architecture the engine cannot run is refused before its weights load (naming the
 engine that can), a context limit beyond the model's before any cache is sized, and
 a weight update whose names, shapes or dtypes do not fit before anything is copied.
@@ -12,7 +12,7 @@ import torch
 
 from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.runner import SUPPORTED_ARCHITECTURES
-from asyncgrpo.engine.types import EngineError
+from asyncgrpo.engine.types import RequestError
 
 
 def load_model(path: str, dtype: torch.dtype, compute_dtype: torch.dtype):
@@ -31,7 +31,7 @@ def check_architecture(model_type: str, path: str) -> None:
     """Refuse, before the weights load, a model the embedded engine's forward cannot run."""
     if model_type in SUPPORTED_ARCHITECTURES:
         return
-    raise EngineError(
+    raise RequestError(
         f"{path}: model_type '{model_type}' is not one the embedded engine runs "
         f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Train it with `engine.type: vllm` "
         '(asyncgrpo launches a vLLM server; README, "Training with vLLM"), or serve it with '
@@ -45,7 +45,7 @@ def context_limit(config: EmbeddedEngineConfig, model) -> int:
     (`max_position_embeddings`), capped at 4096 so the default KV cache stays small."""
     limit = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
     if config.max_model_len and config.max_model_len > limit:
-        raise EngineError(
+        raise RequestError(
             f"max_model_len={config.max_model_len} exceeds the model's "
             f"max_position_embeddings={limit}: lower engine.max_model_len (--max-model-len) "
             "or leave it unset to use the model's limit",
@@ -76,16 +76,16 @@ def check_update(params: dict[str, torch.Tensor], staged: list[tuple[str, torch.
     for name, tensor in staged:
         target = params.get(name)
         if target is None:
-            raise EngineError(f"unknown parameter '{name}'")
+            raise RequestError(f"unknown parameter '{name}'")
         if tuple(target.shape) != tuple(tensor.shape):
-            raise EngineError(
+            raise RequestError(
                 f"shape mismatch for '{name}': got {tuple(tensor.shape)}, "
                 f"expected {tuple(target.shape)}"
             )
         floating = target.is_floating_point()
         if tensor.dtype != target.dtype and not (floating and tensor.is_floating_point()):
             got, held = (str(t.dtype).removeprefix("torch.") for t in (tensor, target))
-            raise EngineError(
+            raise RequestError(
                 f"dtype mismatch for '{name}': got {got}, expected "
                 f"{'a floating-point dtype' if floating else held} (the engine holds {held})"
             )

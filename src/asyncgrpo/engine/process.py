@@ -26,12 +26,8 @@ from pathlib import Path
 import httpx
 
 from asyncgrpo.config import EmbeddedEngineConfig
+from asyncgrpo.engine_errors import EngineStartError
 from asyncgrpo.ports import free_port
-
-
-class EngineProcessError(RuntimeError):
-    pass
-
 
 PARENT_PID_ENV = "ASYNCGRPO_PARENT_PID"
 
@@ -114,7 +110,7 @@ class EngineProcess:
         admin_token: str | None = None,
     ):
         if config.model is None:
-            raise EngineProcessError("engine.model: no model directory given")
+            raise EngineStartError("engine.model: no model directory given")
         self.config = config
         self.log_path = Path(log_path) if log_path else None
         self.host = host
@@ -125,7 +121,7 @@ class EngineProcess:
         self._log = None
         self._log_start = 0  # where this start's output begins in the (appended) log
         self._config_file: str | None = None
-        self._guard = StartGuard(EngineProcessError)
+        self._guard = StartGuard(EngineStartError)
 
     @property
     def base_url(self) -> str:
@@ -194,14 +190,14 @@ class EngineProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
-                raise EngineProcessError(self._start_failure())
+                raise EngineStartError(self._start_failure())
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
-        raise EngineProcessError(f"engine not ready within {timeout:.0f}s")
+        raise EngineStartError(f"engine not ready within {timeout:.0f}s")
 
     def _start_failure(self) -> str:
         """Why the child died before becoming ready: its exit code and its last words."""

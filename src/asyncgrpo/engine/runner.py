@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncgrpo.engine.types import EngineError
+from asyncgrpo.engine.types import RequestError
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -138,7 +138,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_slots: int, max_model_len: int):
         config = model.config
         if config.model_type not in SUPPORTED_ARCHITECTURES:
-            raise EngineError(
+            raise RequestError(
                 f"the embedded engine does not run model_type '{config.model_type}' "
                 f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}); use "
                 "`engine.type: vllm`",

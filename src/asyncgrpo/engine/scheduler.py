@@ -16,7 +16,7 @@ version that sampled it, and deltas go back to each consumer's own asyncio loop.
 One request must never fail the others in its batch. Its sampling settings are
 sanitised once, when it is created (request.py), and if sampling a batch still
 raises, each request's rows are sampled alone: those that raise fail with an
-`EngineError`, the rest continue with the tokens of that second draw. A failing
+`RequestError`, the rest continue with the tokens of that second draw. A failing
 forward pass has no one culprit; the engine fails the whole batch then (engine.py).
 """
 
@@ -34,7 +34,7 @@ from asyncgrpo.engine.prefix_cache import PrefixCache
 from asyncgrpo.engine.request import Request, SampleState
 from asyncgrpo.engine.runner import ModelRunner
 from asyncgrpo.engine.sampling import NonFiniteLogits, sample
-from asyncgrpo.engine.types import EngineError, TokenDelta
+from asyncgrpo.engine.types import RequestError, TokenDelta
 
 logger = logging.getLogger(__name__)
 
@@ -273,13 +273,13 @@ class Scheduler:
         self.running.clear()
 
 
-def _sampling_error(request: Request, exc: Exception) -> EngineError:
+def _sampling_error(request: Request, exc: Exception) -> RequestError:
     """What the consumer of a request whose rows could not be sampled is told."""
     if isinstance(exc, NonFiniteLogits):  # the forward pass, not the request, is at fault
-        return EngineError("the model's logits for this request are not finite (NaN or inf)", 500)
+        return RequestError("the model's logits for this request are not finite (NaN or inf)", 500)
     p = request.params
     settings = f"temperature={p.temperature}, top_p={p.top_p}, top_k={p.top_k}, seed={p.seed}"
-    return EngineError(f"sampling failed for this request ({settings}): {exc}", 400)
+    return RequestError(f"sampling failed for this request ({settings}): {exc}", 400)
 
 
 def _finish_reason(s: SampleState, token: int, eos_token_ids: set[int], tokenizer):

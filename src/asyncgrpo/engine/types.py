@@ -23,9 +23,10 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 
 
-class EngineError(Exception):
-    """A request the engine refuses; `status` is the HTTP status it maps to, `param` the
-    request field at fault (reported as the OpenAI error's `param`)."""
+class RequestError(Exception):
+    """A request the engine refuses, inside its server; `status` is the HTTP status it maps
+    to, `param` the request field at fault (reported as the OpenAI error's `param`). A client
+    sees the answer as `engine_errors.EngineRefused` or `EngineUnavailable`."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
@@ -109,7 +110,7 @@ class SamplingParams:
 
 def _require(ok: bool, param: str, problem: str) -> None:
     if not ok:
-        raise EngineError(f"{param} {problem}", 400, param)
+        raise RequestError(f"{param} {problem}", 400, param)
 
 
 @dataclass

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from asyncgrpo.client.retry import EngineHTTPError
 from asyncgrpo.config import AdvantageConfig
 from asyncgrpo.config.sampling import SamplingSettings
+from asyncgrpo.engine_errors import EngineRefused
 from asyncgrpo.rollout.advantages import is_zero_variance
 from asyncgrpo.rollout.builder import GroupDropped
 from asyncgrpo.rollout.data import render_prompt
@@ -104,7 +104,7 @@ class SingleTurnBuilder:
         """`s.n` completions of the prompt; seeded per group when `group_id` is given."""
         try:
             completion = await self.client.complete(prompt_ids, **s.request_fields(group_id))
-        except EngineHTTPError as exc:
+        except EngineRefused as exc:
             if exc.status == 400 and "max_model_len" in str(exc):
                 raise GroupDropped("prompt_too_long", str(exc), log=False) from exc
             raise

@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, ConfigDict
 
-from asyncgrpo.engine.types import EngineError, PauseMode
+from asyncgrpo.engine.types import PauseMode, RequestError
 
 
 def require_admin(request: Request) -> None:
@@ -44,7 +44,7 @@ def refuse_on_gateway(request: Request) -> None:
     """409 on a server whose engine is a vLLM server elsewhere (`RemoteEngine`)."""
     upstream = getattr(request.app.state.engine, "upstream_url", None)
     if upstream:
-        raise EngineError(
+        raise RequestError(
             f"this server fronts vLLM at {upstream}; send pause, resume and weight updates "
             "(and ask for their state) there",
             409,
@@ -194,9 +194,9 @@ async def _read_body(request: Request) -> bytearray:
     buffer, filled = bytearray(int(declared)), 0
     async for chunk in request.stream():
         if filled + len(chunk) > len(buffer):
-            raise EngineError("request body longer than its Content-Length")
+            raise RequestError("request body longer than its Content-Length")
         buffer[filled : filled + len(chunk)] = chunk
         filled += len(chunk)
     if filled != len(buffer):
-        raise EngineError(f"request body ended after {filled} of {len(buffer)} bytes")
+        raise RequestError(f"request body ended after {filled} of {len(buffer)} bytes")
     return buffer

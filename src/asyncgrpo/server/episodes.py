@@ -47,7 +47,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from asyncgrpo.agents.trajectory import Call, EpisodeResult, StopReason, TrajectoryBuilder
-from asyncgrpo.engine.types import EngineError
+from asyncgrpo.engine.types import RequestError
 from asyncgrpo.server import openai_routes, prompts
 from asyncgrpo.server.control_routes import require_admin
 from asyncgrpo.server.protocol import ChatCompletionRequest, RequestLimits
@@ -155,7 +155,7 @@ class EpisodeRegistry:
         self.expire_idle()
         if len(self.open) >= self.max_open:
             self.counts["refused"] += 1
-            raise EngineError(
+            raise RequestError(
                 f"too many open episodes ({self.max_open}); close finished ones "
                 "or raise max_open_episodes",
                 503,
@@ -177,8 +177,8 @@ class EpisodeRegistry:
             return episode
         known = self.tombstones.get(episode_id)
         if known is not None and secrets.compare_digest(_key_hash(key), known):
-            raise EngineError(f"episode {episode_id} is closed", 409)
-        raise EngineError("unknown episode or wrong API key", 401)
+            raise RequestError(f"episode {episode_id} is closed", 409)
+        raise RequestError("unknown episode or wrong API key", 401)
 
     def lookup(self, episode_id: str) -> Episode:
         """For admin routes: the open episode, 409 if closed, 404 if unknown."""
@@ -186,8 +186,8 @@ class EpisodeRegistry:
         if episode_id in self.open:
             return self.open[episode_id]
         if episode_id in self.tombstones:
-            raise EngineError(f"episode {episode_id} is closed", 409)
-        raise EngineError(f"no episode {episode_id}", 404)
+            raise RequestError(f"episode {episode_id} is closed", 409)
+        raise RequestError(f"no episode {episode_id}", 404)
 
     def retire(self, episode: Episode, why: str = "closed") -> None:
         """Refuse further calls; the id stays known (tombstone) so its key gets 409."""
@@ -326,7 +326,7 @@ async def episode_chat(episode_id: str, request: Request):
             episode.replays.put(digest, task)
         await asyncio.wait({task})  # a cancelled handler leaves the turn running for its retry
         if task.cancelled():
-            raise EngineError(f"episode {episode_id} was closed during the call", 409)
+            raise RequestError(f"episode {episode_id} was closed during the call", 409)
         response = task.result()
     finally:
         episode.active -= 1
@@ -353,10 +353,10 @@ async def run_turn(request: Request, episode: Episode, body: ChatCompletionReque
     engine = request.app.state.engine
     async with episode.lock:
         if episode.closed:
-            raise EngineError(f"episode {episode.id} is closed", 409)
+            raise RequestError(f"episode {episode.id} is closed", 409)
         if len(episode.builder.calls) >= episode.max_turns:
             episode.refused_turns += 1
-            raise EngineError(f"episode reached its max_turns ({episode.max_turns})", 400)
+            raise RequestError(f"episode reached its max_turns ({episode.max_turns})", 400)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         prompt = await prompts.off_loop(
             prompts.episode_prompt_ids,
@@ -369,7 +369,7 @@ async def run_turn(request: Request, episode: Episode, body: ChatCompletionReque
         job = openai_routes.chat_job(engine, body, prompt)
         choices = await job.run()
         if episode.closed:
-            raise EngineError(f"episode {episode.id} is closed", 409)
+            raise RequestError(f"episode {episode.id} is closed", 409)
         parsed = [
             openai_routes.parse_tool_calls(request, body, c.text.text, f"{job.id}-{c.index}")
             for c in choices

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from asyncgrpo.engine.types import EngineError
+from asyncgrpo.engine.types import RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class InternalErrorMiddleware:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(EngineError)
-    async def engine_error(request: Request, exc: EngineError):
+    @app.exception_handler(RequestError)
+    async def engine_error(request: Request, exc: RequestError):
         return error_response(exc.message, exc.status, param=exc.param)
 
     @app.exception_handler(RequestValidationError)

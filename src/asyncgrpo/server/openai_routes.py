@@ -22,7 +22,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from asyncgrpo.engine.types import EngineError
+from asyncgrpo.engine.types import RequestError
 from asyncgrpo.server import openai_format as fmt
 from asyncgrpo.server import prompts
 from asyncgrpo.server.errors import error_body
@@ -46,7 +46,7 @@ def served_name(request: Request) -> str:
 def check_model(request: Request, model: str | None) -> None:
     """Like vLLM: an unknown model name is a 404 naming it; an omitted one means ours."""
     if model and model not in (served_name(request), request.app.state.engine.model_name):
-        raise EngineError(f"The model `{model}` does not exist.", 404)
+        raise RequestError(f"The model `{model}` does not exist.", 404)
 
 
 @router.get("/health")
@@ -281,7 +281,7 @@ async def _framed(job, chunks, include_usage: bool, model: str, created: int, ki
             final = fmt.envelope(job.id, kind, model, [], created)
             final["usage"] = fmt.usage(job.prompt_tokens(), job.completion_tokens())
             yield sse(final)
-    except EngineError as exc:
+    except RequestError as exc:
         yield sse(error_body(exc.message, exc.status, exc.param))
     except Exception as exc:  # never let one request take the server down
         logger.exception("stream %s failed", job.id)

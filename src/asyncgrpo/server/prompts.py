@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asyncgrpo.agents.trajectory import ChatRenderer, TrajectoryBuilder, next_prompt_ids
-from asyncgrpo.engine.types import EngineError
+from asyncgrpo.engine.types import RequestError
 from asyncgrpo.server.protocol import (
     ChatCompletionRequest,
     RequestLimits,
@@ -50,7 +50,7 @@ def check_text_fits(tokenizer, text_chars: int, param: str, max_model_len: int) 
     """Refuse, without tokenizing, a text too long for the context whatever its tokens."""
     at_least = math.ceil(text_chars / longest_token_chars(tokenizer))
     if at_least + 1 > max_model_len:
-        raise EngineError(
+        raise RequestError(
             f"{param} has {text_chars} characters, so at least {at_least} tokens, but "
             f"max_model_len is {max_model_len} (prompt + at least one generated token must fit)",
             400,
@@ -95,10 +95,10 @@ def render_chat(tokenizer, request: ChatCompletionRequest) -> str:
             continue_final_message=request.continue_final_message,
             **kwargs,
         )
-    except EngineError:
+    except RequestError:
         raise
     except Exception as exc:  # jinja errors, templates that raise on bad roles, ...
-        raise EngineError(f"cannot render the chat template: {exc}") from None
+        raise RequestError(f"cannot render the chat template: {exc}") from None
 
 
 def chat_prompt_ids(tokenizer, request: ChatCompletionRequest, limits: RequestLimits) -> list[int]:
@@ -131,4 +131,4 @@ def episode_prompt_ids(
             builder, messages, tokenizer, request.tools, request.chat_template_kwargs
         )
     except Exception as exc:  # jinja errors, templates that raise on bad roles, ...
-        raise EngineError(f"cannot render the chat template: {exc}") from None
+        raise RequestError(f"cannot render the chat template: {exc}") from None

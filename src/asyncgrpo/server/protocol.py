@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncgrpo.engine.types import MAX_TOP_LOGPROBS, EngineError, SamplingParams
+from asyncgrpo.engine.types import MAX_TOP_LOGPROBS, RequestError, SamplingParams
 
 MAX_TEMPLATE_KWARGS = 16
 MAX_TEMPLATE_KWARG_CHARS = 1024
@@ -71,9 +71,9 @@ class RequestLimits:
 def check_sequences(prompts: int, n: int, limits: RequestLimits) -> None:
     """Refuse more sequences than one engine request or one HTTP request may ask for."""
     if n > limits.max_num_seqs:
-        raise EngineError(f"n={n} exceeds max_num_seqs={limits.max_num_seqs}", 400, "n")
+        raise RequestError(f"n={n} exceeds max_num_seqs={limits.max_num_seqs}", 400, "n")
     if prompts * n > limits.max_request_sequences:
-        raise EngineError(
+        raise RequestError(
             f"this request asks for {prompts} prompt(s) x n={n} = {prompts * n} sequences; "
             f"the limit is max_request_sequences={limits.max_request_sequences}",
             400,
@@ -84,7 +84,7 @@ def check_sequences(prompts: int, n: int, limits: RequestLimits) -> None:
 def check_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
     """Refuse a prompt plus `max_tokens` beyond the context, as vLLM does."""
     if prompt_tokens + max_tokens > max_model_len:
-        raise EngineError(
+        raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens (max_model_len is "
             f"{max_model_len}). However, you requested {prompt_tokens + max_tokens} tokens "
             f"({prompt_tokens} in the prompt, {max_tokens} in the completion). Please reduce "
@@ -100,7 +100,7 @@ def refuse_lone_surrogates(param: str, texts: list[str]) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            raise EngineError(
+            raise RequestError(
                 f"{param} contains a lone surrogate (U+D800-U+DFFF), which is not valid Unicode",
                 400,
                 param,
@@ -109,7 +109,7 @@ def refuse_lone_surrogates(param: str, texts: list[str]) -> None:
 
 def _require_at_least_one(param: str, value: int | None) -> None:
     if value is not None and value < 1:
-        raise EngineError(f"{param} must be >= 1, got {value}", 400, param)
+        raise RequestError(f"{param} must be >= 1, got {value}", 400, param)
 
 
 class StreamOptions(BaseModel):
@@ -163,20 +163,20 @@ class GenerationRequest(BaseModel):
         params.validate()
         refuse_lone_surrogates("stop", params.stop)
         if any(not 0 <= t < limits.vocab_size for t in params.stop_token_ids):
-            raise EngineError(
+            raise RequestError(
                 f"stop_token_ids must be in [0, {limits.vocab_size})", 400, "stop_token_ids"
             )
         check_sequences(prompts, self.n, limits)
 
     def refuse_unsupported(self) -> None:
         if self.presence_penalty or self.frequency_penalty:
-            raise EngineError("presence_penalty and frequency_penalty are not supported")
+            raise RequestError("presence_penalty and frequency_penalty are not supported")
         if self.repetition_penalty not in (None, 1.0):
-            raise EngineError("repetition_penalty is not supported")
+            raise RequestError("repetition_penalty is not supported")
         if self.logit_bias:
-            raise EngineError("logit_bias is not supported")
+            raise RequestError("logit_bias is not supported")
         if self.best_of not in (None, self.n):
-            raise EngineError("best_of is not supported (use n)")
+            raise RequestError("best_of is not supported (use n)")
 
     def sampling_params(self, max_tokens: int, top_logprobs: int) -> SamplingParams:
         self.refuse_unsupported()
@@ -215,7 +215,7 @@ class ChatMessage(BaseModel):
             texts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise EngineError("only text content parts are supported")
+                    raise RequestError("only text content parts are supported")
                 texts.append(part["text"])
             message["content"] = "\n".join(texts)
         if self.tool_calls:
@@ -258,7 +258,7 @@ class ChatCompletionRequest(GenerationRequest):
     def check(self, limits: RequestLimits, prompts: int = 1) -> None:
         _require_at_least_one("max_completion_tokens", self.max_completion_tokens)
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise EngineError(
+            raise RequestError(
                 f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
                 400,
                 "top_logprobs",
@@ -269,7 +269,7 @@ class ChatCompletionRequest(GenerationRequest):
     def check_template_kwargs(self) -> None:
         """Only the model's own template renders; its variables must be small JSON scalars."""
         if self.chat_template is not None:
-            raise EngineError(
+            raise RequestError(
                 "chat_template is not accepted: this server renders only its model's own "
                 "chat template",
                 400,
@@ -277,7 +277,7 @@ class ChatCompletionRequest(GenerationRequest):
             )
         kwargs = self.chat_template_kwargs or {}
         if len(kwargs) > MAX_TEMPLATE_KWARGS:
-            raise EngineError(
+            raise RequestError(
                 f"chat_template_kwargs may have at most {MAX_TEMPLATE_KWARGS} keys",
                 400,
                 "chat_template_kwargs",
@@ -289,18 +289,18 @@ class ChatCompletionRequest(GenerationRequest):
 def _check_template_kwarg(key: str, value: Any) -> None:
     param = "chat_template_kwargs"
     if key in RESERVED_TEMPLATE_KWARGS:
-        raise EngineError(
+        raise RequestError(
             f"chat_template_kwargs.{key} is not accepted: this server renders only its "
             "model's own chat template",
             400,
             param,
         )
     if value is not None and not isinstance(value, bool | int | float | str):
-        raise EngineError(
+        raise RequestError(
             f"chat_template_kwargs.{key} must be a string, number, boolean or null", 400, param
         )
     if len(key) > MAX_TEMPLATE_KWARG_CHARS or len(str(value)) > MAX_TEMPLATE_KWARG_CHARS:
-        raise EngineError(
+        raise RequestError(
             f"chat_template_kwargs keys and values may have at most "
             f"{MAX_TEMPLATE_KWARG_CHARS} characters",
             400,
@@ -320,7 +320,7 @@ class CompletionRequest(GenerationRequest):
 
     def check(self, limits: RequestLimits, prompts: int = 1) -> None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise EngineError(
+            raise RequestError(
                 f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}",
                 400,
                 "logprobs",
@@ -330,9 +330,9 @@ class CompletionRequest(GenerationRequest):
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.echo:
-            raise EngineError("echo is not supported")
+            raise RequestError("echo is not supported")
         if self.suffix:
-            raise EngineError("suffix is not supported")
+            raise RequestError("suffix is not supported")
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompt(s) as a list: each a text or a list of token ids."""
@@ -342,5 +342,5 @@ class CompletionRequest(GenerationRequest):
         if p and all(isinstance(x, int) for x in p):
             return [list(p)]
         if not p:
-            raise EngineError("prompt is empty")
+            raise RequestError("prompt is empty")
         return list(p)

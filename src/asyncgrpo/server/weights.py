@@ -26,7 +26,7 @@ import os
 import stat
 import tempfile
 
-from asyncgrpo.engine.types import EngineError
+from asyncgrpo.engine.types import RequestError
 from asyncgrpo.transport.disk import DIRECTORY_PREFIX
 from asyncgrpo.transport.layout import (
     LayoutError,
@@ -84,22 +84,22 @@ class WeightReceiver:
     def init(self, info: dict) -> None:
         backend = info.get("backend")
         if backend not in BACKENDS:
-            raise EngineError(
+            raise RequestError(
                 f"unknown weight transfer backend {backend!r}; expected one of {BACKENDS}"
             )
         self.backend = backend
 
     def start(self) -> None:
         if self.backend is None:
-            raise EngineError("call /init_weight_transfer_engine before /start_weight_update", 409)
+            raise RequestError("call /init_weight_transfer_engine before /start_weight_update", 409)
         self._reset()
         self._staged = []
 
     def _require_session(self, backend: str | None = None) -> list:
         if self._staged is None:
-            raise EngineError("no weight update in progress: call /start_weight_update first", 409)
+            raise RequestError("no weight update in progress: call /start_weight_update first", 409)
         if backend is not None and self.backend != backend:
-            raise EngineError(
+            raise RequestError(
                 f"this payload needs the '{backend}' backend; the engine was initialised with '{self.backend}'"
             )
         return self._staged
@@ -108,20 +108,20 @@ class WeightReceiver:
         """JSON `update_info`: a shared-memory segment (`shm`) or a directory (`disk`)."""
         staged = self._require_session()
         if self.backend == "http":
-            raise EngineError(
+            raise RequestError(
                 "the http backend sends safetensors bytes as application/octet-stream"
             )
         path = info.get("path")
         if not isinstance(path, str) or not path:
-            raise EngineError("update_info.path is required")
+            raise RequestError("update_info.path is required")
         read = self._map_segment if self.backend == "shm" else self._read_disk
         try:
             buffers = await asyncio.to_thread(read, path, info)
         except LayoutError as exc:
-            raise EngineError(str(exc)) from None
+            raise RequestError(str(exc)) from None
         if staged is not self._staged:  # a new session started meanwhile: this one is void
             _close_all([buffer for buffer, _ in buffers])
-            raise EngineError("the weight update was restarted while this payload was read", 409)
+            raise RequestError("the weight update was restarted while this payload was read", 409)
         for buffer, tensors in buffers:
             self._buffers.append(buffer)
             staged.extend(tensors)
@@ -133,7 +133,7 @@ class WeightReceiver:
         try:
             slots = read_safetensors_slots(buffer)
         except LayoutError as exc:
-            raise EngineError(str(exc)) from None
+            raise RequestError(str(exc)) from None
         self._buffers.append(buffer)
         staged.extend((slot.name, view(buffer, slot)) for slot in slots)
         return len(slots)
@@ -144,7 +144,7 @@ class WeightReceiver:
         try:
             size = os.fstat(fd).st_size
             if size == 0:
-                raise EngineError(f"shared-memory segment {path} is empty")
+                raise RequestError(f"shared-memory segment {path} is empty")
             # private copy-on-write mapping: writable for torch, nothing is ever written back
             mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         finally:
@@ -168,7 +168,7 @@ class WeightReceiver:
             return [_read_safetensors(path, allowed, rule)]  # one file, or refused
         names = sorted(n for n in os.listdir(real) if n.endswith(".safetensors"))
         if not names:
-            raise EngineError(f"no .safetensors files in {path}")
+            raise RequestError(f"no .safetensors files in {path}")
         return [_read_safetensors(os.path.join(path, name), allowed, rule) for name in names]
 
     async def finish(self, version: int | None) -> int:
@@ -177,7 +177,7 @@ class WeightReceiver:
         new_version = self.engine.weight_version + 1 if version is None else int(version)
         try:
             if not staged:
-                raise EngineError("no tensors were sent in this weight update")
+                raise RequestError("no tensors were sent in this weight update")
             await self.engine.update_weights(staged, version=new_version)
         finally:
             staged.clear()  # drop the views first so the mappings can be closed
@@ -224,7 +224,7 @@ def _open_allowed(path: str, allowed, rule: str) -> int:
             if stat.S_ISREG(os.fstat(fd).st_mode):
                 return fd
             os.close(fd)
-    raise EngineError(
+    raise RequestError(
         f"cannot read weights at {path!r}: update_info.path must be an existing regular file {rule}"
     )
 
@@ -238,7 +238,7 @@ def _read_safetensors(path: str, allowed, rule: str) -> tuple[bytearray, list]:
         while filled < len(buffer):
             got = os.readv(fd, [memoryview(buffer)[filled:]])
             if got == 0:
-                raise EngineError(f"{path} was truncated while it was read")
+                raise RequestError(f"{path} was truncated while it was read")
             filled += got
     finally:
         os.close(fd)

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from asyncgrpo.backend import EngineBackend, EngineDied
+from asyncgrpo.backend import EngineBackend
 from asyncgrpo.coordinator.buffer import RolloutBuffer
+from asyncgrpo.engine_errors import EngineDied, EngineStartError
 from asyncgrpo.loop_thread import LoopThread
 from asyncgrpo.session import RunAborted
 from asyncgrpo.session.activity import Activity
@@ -55,13 +56,11 @@ class EngineLink:
 
     def start(self) -> None:
         """Wait for the engine; meanwhile the transport lays out the first sync."""
-        from asyncgrpo.engine.process import EngineProcessError
-
         layout = list(self.trainer.named_weights(self.weight_dtype))
         with self.activity.doing("waiting for the engine to start"):
             try:
                 self.loop.run(self.engine.wait_ready(layout))
-            except EngineProcessError as exc:
+            except EngineStartError as exc:
                 raise RunAborted(f"the engine did not start: {exc}") from None
 
     def sync_weights(self) -> None:

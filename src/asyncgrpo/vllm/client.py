@@ -42,14 +42,10 @@ from typing import Any
 
 import httpx
 
-from asyncgrpo.client.engine_client import (
-    Completion,
-    Continuation,
-    EngineClient,
-    EngineProtocolError,
-)
-from asyncgrpo.client.retry import EngineHTTPError, RetryPolicy, send_with_retry
+from asyncgrpo.client.engine_client import Completion, Continuation, EngineClient
+from asyncgrpo.client.retry import RetryPolicy, send_with_retry
 from asyncgrpo.engine.types import SamplingParams
+from asyncgrpo.engine_errors import EngineProtocolError, EngineRefused
 from asyncgrpo.vllm.generate_request import GENERATE_PATH, generate_request
 
 logger = logging.getLogger(__name__)
@@ -300,7 +296,7 @@ class VLLMClient(EngineClient):
         name = adapter_name(version)
         try:
             await self._control("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
-        except EngineHTTPError as exc:
+        except EngineRefused as exc:
             if exc.status != 400 or "already been loaded" not in exc.message:
                 raise
         return name
@@ -313,7 +309,7 @@ class VLLMClient(EngineClient):
         """No new request can ask for `name` (vLLM frees it as later ones replace it)."""
         try:
             await self._control("/v1/unload_lora_adapter", {"lora_name": name})
-        except EngineHTTPError as exc:
+        except EngineRefused as exc:
             if exc.status != 404:  # gone already (a restarted server)
                 raise
 

@@ -42,10 +42,10 @@ from dataclasses import dataclass
 
 import httpx
 
-from asyncgrpo.client.engine_client import EngineProtocolError
 from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.types import EngineError, SamplingParams, TokenDelta
+from asyncgrpo.engine.types import RequestError, SamplingParams, TokenDelta
+from asyncgrpo.engine_errors import EngineProtocolError
 from asyncgrpo.vllm.client import sample_from_choice
 from asyncgrpo.vllm.generate_request import GENERATE_PATH, generate_request, seeds_are_safe
 
@@ -81,7 +81,7 @@ class RemoteEngine:
         from transformers import AutoConfig, AutoTokenizer
 
         if not config.upstream_url or not config.model:
-            raise EngineError("RemoteEngine needs engine.upstream_url and engine.model", 500)
+            raise RequestError("RemoteEngine needs engine.upstream_url and engine.model", 500)
         self.config = config
         self.model_name = config.model
         self.upstream_url = config.upstream_url.rstrip("/")
@@ -129,7 +129,7 @@ class RemoteEngine:
         """The embedded engine's checks, and no seed for a vLLM that dies of one."""
         Engine.check_request(self, prompt_ids, params)
         if params.seed is not None and not self.upstream.seeds_are_safe:
-            raise EngineError(
+            raise RequestError(
                 f"seed is not supported: the vLLM server at {self.upstream_url} runs on "
                 f"{self.upstream.device or 'an unknown device'}, and a per-request seed "
                 "kills vLLM's CPU engine",
@@ -176,7 +176,7 @@ class RemoteEngine:
             raise upstream_error(response, self.upstream_url)
         label = _json_object(response).get("weight_version")
         if label is None:
-            raise EngineError(f"vLLM at {self.upstream_url}: /weight_info has no version", 502)
+            raise RequestError(f"vLLM at {self.upstream_url}: /weight_info has no version", 502)
         return str(label)
 
     async def _post_generate(self, body: dict) -> dict:
@@ -223,7 +223,7 @@ class RemoteEngine:
 
 
 def probe_upstream(http: httpx.Client, url: str) -> Upstream:
-    """Read vLLM's limits and check it serves what the gateway needs; EngineError if not."""
+    """Read vLLM's limits and check it serves what the gateway needs; RequestError if not."""
     try:
         models = http.get(url + "/v1/models")
         info = http.get(url + "/server_info", params={"config_format": "json"})
@@ -234,20 +234,20 @@ def probe_upstream(http: httpx.Client, url: str) -> Upstream:
     try:
         max_model_len = int(models.json()["data"][0]["max_model_len"])
     except (ValueError, KeyError, IndexError, TypeError):
-        raise EngineError(
+        raise RequestError(
             f"{url} is not a vLLM server: GET /v1/models answered {models.status_code} "
             "without a model's max_model_len",
             503,
         ) from None
     if generate.status_code == 404:
-        raise EngineError(
+        raise RequestError(
             f"vLLM at {url} has no {GENERATE_PATH} route: start it with --enable-scale-out", 503
         )
     config = _json_object(info).get("vllm_config") or {}  # needs VLLM_SERVER_DEV_MODE=1
     model = config.get("model_config") or {}
     mode = model.get("logprobs_mode", "processed_logprobs")
     if mode != "processed_logprobs":
-        raise EngineError(
+        raise RequestError(
             f"vLLM at {url} reports logprobs_mode {mode}: start it with --logprobs-mode "
             "processed_logprobs (the loss needs the log-probs of the distribution sampled from)",
             503,
@@ -273,7 +273,7 @@ def _json_object(response: httpx.Response) -> dict:
 
 def _context_limit(config: EmbeddedEngineConfig, upstream: Upstream) -> int:
     if config.max_model_len and config.max_model_len > upstream.max_model_len:
-        raise EngineError(
+        raise RequestError(
             f"max_model_len={config.max_model_len} exceeds the vLLM server's "
             f"max_model_len={upstream.max_model_len}",
             500,
@@ -290,7 +290,7 @@ def token_delta(choice: dict, top_logprobs: int) -> TokenDelta:
     try:
         sample = sample_from_choice(choice)
     except (EngineProtocolError, KeyError, TypeError, ValueError) as exc:
-        raise EngineError(f"vLLM's answer breaks its protocol: {exc}", 502) from None
+        raise RequestError(f"vLLM's answer breaks its protocol: {exc}", 502) from None
     content = choice["logprobs"]["content"]
     return TokenDelta(
         index=int(choice["index"]),
@@ -319,17 +319,19 @@ def ranked(candidates: list[dict], count: int) -> list[tuple[int, float]]:
 # ---- errors ------------------------------------------------------------------------------
 
 
-def unreachable(url: str, exc: Exception) -> EngineError:
-    return EngineError(f"vLLM at {url} is unreachable: {type(exc).__name__}: {exc}", 503)
+def unreachable(url: str, exc: Exception) -> RequestError:
+    return RequestError(f"vLLM at {url} is unreachable: {type(exc).__name__}: {exc}", 503)
 
 
-def upstream_error(response: httpx.Response, url: str) -> EngineError:
+def upstream_error(response: httpx.Response, url: str) -> RequestError:
     """vLLM's refusal as ours: a 4xx keeps its status and message; a 5xx is a 502 (503 as is)."""
     message, param = _error_fields(response)
     status = response.status_code
     if status < 500:
-        return EngineError(message, status, param)
-    return EngineError(f"vLLM at {url} failed ({status}): {message}", 503 if status == 503 else 502)
+        return RequestError(message, status, param)
+    return RequestError(
+        f"vLLM at {url} failed ({status}): {message}", 503 if status == 503 else 502
+    )
 
 
 def _error_fields(response: httpx.Response) -> tuple[str, str | None]:
