@@ -11,7 +11,7 @@ scored by the same reward functions — from a callback whose time is excluded
 from the training clock. It writes `metrics.jsonl` in asyncgrpo's format, so
 `asyncgrpo plot --compare` and `end_to_end.py` read all systems alike.
 
-Needs the `trl` package (`make bench-e2e` installs it).
+Needs the `trl` package (pinned in the `dev` extra, which `make` installs).
 """
 
 from __future__ import annotations
