@@ -193,6 +193,7 @@ def vllm_command(args, model_dir: str) -> tuple[list[str], dict]:
     cmd += ["--dtype", args.vllm_dtype, "--served-model-name", "bench", "--seed", "0"]
     cmd += ["--max-model-len", str(args.max_model_len)]
     cmd += ["--max-num-seqs", str(args.max_num_seqs), "--host", "127.0.0.1"]
+    cmd += args.vllm_args.split()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(args.threads))
     if args.vllm_omp_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_omp_bind
@@ -295,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-omp-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND")
     parser.add_argument(
         "--vllm-dtype", default="bfloat16", help="vLLM --dtype (float32: its fp32 oneDNN path)"
+    )
+    parser.add_argument(
+        "--vllm-args", default="", help="extra vLLM server arguments, e.g. --enforce-eager"
     )
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds to healthy")
     parser.add_argument(
