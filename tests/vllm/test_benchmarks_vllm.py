@@ -42,14 +42,15 @@ def test_engine_throughput_vllm_cpu(tmp_path, vllm_model_dir):
 
 def test_end_to_end_vllm_system(tmp_path, vllm_model_dir):
     vllm_python = require_vllm()
-    recipe = write_tiny_recipe(tmp_path / "recipe", vllm_model_dir)
+    # only keys the vLLM engine type has (end_to_end sets engine.type=vllm)
+    engine = {"dtype": "bfloat16", "max_model_len": 256}
+    recipe = write_tiny_recipe(tmp_path / "recipe", vllm_model_dir, engine=engine)
     out = tmp_path / "e2e"
     run_benchmark(
         "end_to_end.py",
         *("--recipe", str(recipe), "--systems", "vllm", "--max-steps", "2"),
         *("--budget-s", "600", "--held-out", "4", "--score-steps", "1"),
         *("--score-threads", "1", "--vllm-python", vllm_python, "--out", str(out)),
-        *("--set", "engine.dtype=bfloat16", "--set", "engine.max_model_len=256"),
         timeout=900,
     )
     (run,) = json.loads((out / "end_to_end.json").read_text())["runs"]
