@@ -72,9 +72,9 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py
 
-# asyncgrpo async vs sync vs TRL's GRPOTrainer on the default recipe (about 45 minutes)
+# asyncgrpo async vs sync vs TRL's GRPOTrainer on the default recipe (about 45 minutes);
+# trl==1.16.0 comes with the `dev` extra
 bench-e2e: $(STAMP)
-	$(BIN)/pip install -q trl==1.16.0
 	$(BIN)/python benchmarks/end_to_end.py
 
 clean:

@@ -147,7 +147,7 @@ async def main_async(args) -> list[dict]:
         engine.shutdown()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_REWARDS))
     parser.add_argument("--rewards", nargs="+", default=None, help="override the task's rewards")
@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--json", default=None, help="also write the results to this file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = asyncio.run(main_async(args))
     print(
         f"\n{'task':<12} {'sampled':>8} {'greedy':>7} {'var groups':>10} "

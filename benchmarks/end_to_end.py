@@ -58,13 +58,19 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def run_asyncgrpo(
-    recipe: str, out: Path, name: str, staleness: int, budget: float, extra: list[str]
+    recipe: str,
+    out: Path,
+    name: str,
+    staleness: int,
+    budget: float,
+    extra: list[str],
+    max_steps: int | None = None,
 ) -> Path:
     sets = [
         f"name={name}",
         f"output_dir={out}",
         f"max_time_s={budget}",
-        "max_steps=100000",
+        f"max_steps={max_steps or 100000}",
         f"coordinator.max_staleness={staleness}",
         *extra,
     ]
@@ -78,7 +84,14 @@ def run_asyncgrpo(
     return out / name
 
 
-def run_trl(recipe: str, out: Path, budget: float, extra: list[str], threads: int) -> Path:
+def run_trl(
+    recipe: str,
+    out: Path,
+    budget: float,
+    extra: list[str],
+    threads: int,
+    max_steps: int | None = None,
+) -> Path:
     run_dir = out / "trl"
     cmd = [
         sys.executable,
@@ -91,6 +104,8 @@ def run_trl(recipe: str, out: Path, budget: float, extra: list[str], threads: in
         "--threads",
         str(threads),
     ]
+    if max_steps:
+        cmd += ["--max-steps", str(max_steps)]
     for s in extra:
         cmd += ["--set", s]
     log = out / "trl.log"
@@ -270,7 +285,9 @@ def run_seed(args, seed: int, out: Path) -> dict:
             print(f"[{system}] reusing the finished run in {run_dir}")
             runs[label] = run_dir
         elif system == "trl":
-            runs[label] = run_trl(args.recipe, out, args.budget_s, overrides, args.trl_threads)
+            runs[label] = run_trl(
+                args.recipe, out, args.budget_s, overrides, args.trl_threads, args.max_steps
+            )
         elif system == "vllm":
             engine = [
                 "engine.type=vllm",
@@ -278,12 +295,12 @@ def run_seed(args, seed: int, out: Path) -> dict:
                 f"engine.vllm_args={json.dumps(args.vllm_args.split())}",
             ]
             runs[label] = run_asyncgrpo(
-                args.recipe, out, system, 2, args.budget_s, [*overrides, *engine]
+                args.recipe, out, system, 2, args.budget_s, [*overrides, *engine], args.max_steps
             )
         else:
             staleness = 2 if system == "async" else 0
             runs[label] = run_asyncgrpo(
-                args.recipe, out, system, staleness, args.budget_s, overrides
+                args.recipe, out, system, staleness, args.budget_s, overrides, args.max_steps
             )
 
     _, eval_rows = load_prompts(cfg.dataset, cfg.seed)
@@ -391,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", default="recipes/default.yaml")
     parser.add_argument(
         "--budget-s", type=float, default=900.0, help="training wall-clock per system"
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="also stop every system after this many optimizer steps (default: the budget only)",
     )
     parser.add_argument("--systems", default="async,sync,trl")
     parser.add_argument("--seeds", default="0", help="comma-separated; one full run per seed")

@@ -32,6 +32,7 @@ import platform
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,6 +57,11 @@ class Workload:
 WORKLOADS = [
     Workload("fixed64", prompts=32, samples=1, max_tokens=64, ignore_eos=True),
     Workload("grpo256", prompts=32, samples=4, max_tokens=256, ignore_eos=False),
+]
+# `--tiny`: the same shapes cut to seconds, to check that the script runs (not a measurement)
+TINY_WORKLOADS = [
+    Workload("fixed64", prompts=4, samples=1, max_tokens=8, ignore_eos=True),
+    Workload("grpo256", prompts=4, samples=2, max_tokens=8, ignore_eos=False),
 ]
 
 
@@ -152,7 +158,7 @@ def bench_server(cmd: list[str], env: dict, name: str, args, prompts, eos_id, ti
     from asyncgrpo.ports import free_port
 
     port = free_port()
-    log = RESULTS / f"{name}.log"
+    log = Path(args.out).parent / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd + ["--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT
@@ -162,7 +168,7 @@ def bench_server(cmd: list[str], env: dict, name: str, args, prompts, eos_id, ti
             _wait_healthy(f"http://127.0.0.1:{port}", proc, timeout, log)
             print(f"  {name} healthy after {time.perf_counter() - started:.0f}s", flush=True)
             results = []
-            for work in WORKLOADS:
+            for work in args.workloads:
                 result = asyncio.run(
                     run_http(f"http://127.0.0.1:{port}", "bench", prompts, work, eos_id)
                 )
@@ -187,6 +193,7 @@ def vllm_command(args, model_dir: str) -> tuple[list[str], dict]:
     cmd += ["--dtype", args.vllm_dtype, "--served-model-name", "bench", "--seed", "0"]
     cmd += ["--max-model-len", str(args.max_model_len)]
     cmd += ["--max-num-seqs", str(args.max_num_seqs), "--host", "127.0.0.1"]
+    cmd += args.vllm_args.split()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(args.threads))
     if args.vllm_omp_bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_omp_bind
@@ -204,7 +211,7 @@ def bench_generate(name: str, args, model_dir: str, prompts, eos_id: int) -> lis
     dtype = getattr(torch, GENERATE_DTYPES[name])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     results = []
-    for work in WORKLOADS:
+    for work in args.workloads:
         _generate(model, prompts[:4], work, eos_id, max_tokens=8)  # warm-up
         start = time.perf_counter()
         out = _generate(model, prompts, work, eos_id, work.max_tokens)  # (B * n, T)
@@ -278,7 +285,9 @@ def table(results: list[Result]) -> tuple[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="model name or directory")
+    parser.add_argument(
+        "--model", default=None, help="model name or directory (default: smollm2-135m)"
+    )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="per system")
     parser.add_argument("--max-num-seqs", type=int, default=128, help="server batch slots")
@@ -288,19 +297,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vllm-dtype", default="bfloat16", help="vLLM --dtype (float32: its fp32 oneDNN path)"
     )
+    parser.add_argument(
+        "--vllm-args", default="", help="extra vLLM server arguments, e.g. --enforce-eager"
+    )
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds to healthy")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny workloads and, without --model, a tiny random model (a smoke test)",
+    )
     parser.add_argument("--out", default=str(RESULTS / "engine_throughput.json"))
     args = parser.parse_args(argv)
+    args.workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="engine-throughput-") as scratch:
+        return run(parser, args, model_directory(args, scratch))
 
-    from transformers import AutoTokenizer
 
+def model_directory(args, scratch: str) -> str:
+    if args.tiny and args.model is None:
+        from asyncgrpo.testing import save_tiny_model_dir
+
+        return str(save_tiny_model_dir(Path(scratch) / "tiny-llama"))
     from asyncgrpo.models import resolve_model
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    model_dir = str(resolve_model(args.model))
+    return str(resolve_model(args.model or "smollm2-135m"))
+
+
+def run(parser: argparse.ArgumentParser, args, model_dir: str) -> int:
+    """Every system of `--systems` on `model_dir`, one at a time; the table and the JSON."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos_id = tokenizer.eos_token_id
-    prompts = chat_prompts(tokenizer, max(w.prompts for w in WORKLOADS))
+    prompts = chat_prompts(tokenizer, max(w.prompts for w in args.workloads))
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -326,10 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         print("note:", note)
     report = {
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workloads")},
         "model_dir": model_dir,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "workloads": [asdict(w) for w in WORKLOADS],
+        "workloads": [asdict(w) for w in args.workloads],
         "results": [asdict(r) | {"tok_s": r.tok_s} for r in results],
         "ratios": ratios,
         "notes": notes,

@@ -115,19 +115,18 @@ async def sync_costs(engine: Engine, rank: int, syncs: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model name or directory")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--position", type=int, default=128, help="decode position")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--syncs", type=int, default=6)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lora_apply.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
-    cfg = EmbeddedEngineConfig(
-        model=str(resolve_model("smollm2-135m")), num_threads=1, max_num_seqs=64
-    )
+    cfg = EmbeddedEngineConfig(model=str(resolve_model(args.model)), num_threads=1, max_num_seqs=64)
     engine = Engine(cfg)
     rows = []
     for batch in args.batches:
@@ -142,7 +141,7 @@ def main() -> None:
         row["break_even_steps"] = round(sync["sync_ms"] / row["lowrank_ms"], 1)
 
     print(
-        f"SmolLM2-135M, weights {cfg.resolved_dtype()}, compute {cfg.resolved_compute_dtype()}, "
+        f"{args.model}, weights {cfg.resolved_dtype()}, compute {cfg.resolved_compute_dtype()}, "
         f"1 thread, r={args.rank} on {'/'.join(TARGETS)}, decode position {args.position}"
     )
     print(
@@ -158,7 +157,7 @@ def main() -> None:
             f"{row['lowrank_share']:>7.1%} {row['break_even_steps']:>8.1f} st"
         )
     result = {
-        "model": "smollm2-135m",
+        "model": args.model,
         "dtype": cfg.resolved_dtype(),
         "compute_dtype": cfg.resolved_compute_dtype(),
         "threads": 1,

@@ -18,11 +18,16 @@ machine's two cores, so "other node" measures the transport, not a network.
 
     .venv/bin/python benchmarks/ray_launcher.py                 # 10 steps, 2 repeats
     .venv/bin/python benchmarks/ray_launcher.py --steps 4 --repeats 1
+    .venv/bin/python benchmarks/ray_launcher.py --launchers local --recipe R.yaml --steps 2
+
+`--launchers` picks a subset (the two-node cluster starts only for the attached ones);
+`--recipe` and `--set` change the run, e.g. to a tiny model for a smoke test.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -30,20 +35,35 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "ray_launcher.json"
+LAUNCHERS = ("local", "ray (new)", "ray (same node)", "ray (other node)")
+ATTACHED = ("ray (same node)", "ray (other node)")  # they join the two-node cluster
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--recipe", type=Path, default=ROOT / "recipes/demo.yaml")
+    ap.add_argument(
+        "--launchers",
+        default=",".join(LAUNCHERS),
+        help=f"comma-separated subset of: {', '.join(LAUNCHERS)}",
+    )
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="recipe override")
     ap.add_argument("--out", type=Path, default=RESULTS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.launchers = [x.strip() for x in args.launchers.split(",") if x.strip()]
+    unknown = set(args.launchers) - set(LAUNCHERS)
+    if unknown or not args.launchers:
+        ap.error(f"--launchers: unknown {sorted(unknown)}; choose from {', '.join(LAUNCHERS)}")
+    return args
 
 
 def train_rows(run_dir: Path) -> list[dict]:
@@ -54,11 +74,12 @@ def train_rows(run_dir: Path) -> list[dict]:
     return [x for x in lines if x.get("kind") == "train"]
 
 
-def run_once(name: str, overrides: list[str], work: Path, steps: int) -> dict:
-    """One `asyncgrpo train` of the demo recipe; its start-up and samples/s."""
+def run_once(args, name: str, overrides: list[str], work: Path) -> dict:
+    """One `asyncgrpo train` of the recipe; its start-up and samples/s."""
     run_dir = work / name
-    sets = [f"max_steps={steps}", f"output_dir={work}", f"name={name}", *overrides]
-    command = [sys.executable, "-m", "asyncgrpo.cli", "train", str(ROOT / "recipes/demo.yaml")]
+    sets = [*args.overrides, f"max_steps={args.steps}", f"output_dir={work}", f"name={name}"]
+    sets += overrides
+    command = [sys.executable, "-m", "asyncgrpo.cli", "train", str(args.recipe)]
     for item in sets:
         command += ["--set", item]
     log = open(work / f"{name}.log", "wb")
@@ -92,30 +113,44 @@ def run_once(name: str, overrides: list[str], work: Path, steps: int) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+@contextlib.contextmanager
+def two_node_cluster(wanted: bool) -> Iterator[str | None]:
+    """The address of a running two-node Ray cluster on this host (None when not wanted)."""
+    if not wanted:
+        yield None
+        return
     from ray.cluster_utils import Cluster
 
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"head": 4}})
-    nodes.add_node(num_cpus=4, resources={"other": 4})
-    nodes.wait_for_nodes()
-    attached = ["cluster.launcher=ray", f"cluster.address={nodes.address}"]
-    launchers = {
+    try:
+        nodes.add_node(num_cpus=4, resources={"other": 4})
+        nodes.wait_for_nodes()
+        yield nodes.address
+    finally:
+        nodes.shutdown()
+
+
+def launcher_overrides(address: str | None) -> dict[str, list[str]]:
+    attached = ["cluster.launcher=ray", f"cluster.address={address}"]
+    return {
         "local": [],
         "ray (new)": ["cluster.launcher=ray"],
         "ray (same node)": [*attached, "cluster.engine_resources={head: 1}"],
         "ray (other node)": [*attached, "cluster.engine_resources={other: 1}"],
     }
-    results: dict[str, list[dict]] = {k: [] for k in launchers}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    results: dict[str, list[dict]] = {k: [] for k in args.launchers}
     work = Path(tempfile.mkdtemp(prefix="ray-launcher-"))  # kept if a run fails: its log
-    try:
+    with two_node_cluster(any(x in ATTACHED for x in args.launchers)) as address:
+        overrides = launcher_overrides(address)
         for repeat in range(args.repeats):
-            for label, overrides in launchers.items():
+            for label in args.launchers:
                 name = f"{label.replace(' (', '-').rstrip(')').replace(' ', '-')}-{repeat}"
                 print(f"repeat {repeat + 1}/{args.repeats}: {label} ...", flush=True)
-                results[label].append(run_once(name, overrides, work, args.steps))
-    finally:
-        nodes.shutdown()
+                results[label].append(run_once(args, name, overrides[label], work))
     shutil.rmtree(work)
     summary = {
         label: {
@@ -125,16 +160,16 @@ def main(argv=None) -> int:
         | {"transport": runs[0]["transport"]}
         for label, runs in results.items()
     }
-    base = summary["local"]
+    base = summary.get("local")
     print(
         f"\n{'launcher':18} {'weights':>7} {'start-up s':>11} {'samples/s':>10} {'vs local':>9} "
         f"{'sync s':>7} {'wall s':>7}"
     )
     for label, s in summary.items():
-        ratio = s["samples_per_s"] / base["samples_per_s"]
+        ratio = f"{s['samples_per_s'] / base['samples_per_s']:8.2f}x" if base else f"{'-':>9}"
         print(
             f"{label:18} {s['transport']:>7} {s['startup_s']:11.1f} {s['samples_per_s']:10.2f} "
-            f"{ratio:8.2f}x {s['sync_s']:7.3f} {s['wall_s']:7.1f}"
+            f"{ratio} {s['sync_s']:7.3f} {s['wall_s']:7.1f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {"steps": args.steps, "repeats": args.repeats, "median": summary, "runs": results}

@@ -285,7 +285,8 @@ def serve_and_load(args, model_dir: str) -> dict:
     settings = dict(dtype="float32" if args.tiny else args.dtype, num_threads=args.threads)
     settings |= dict(served_model_name="bench", **dict(kv.split("=", 1) for kv in args.engine))
     proc = EngineProcess(
-        EmbeddedEngineConfig(model=model_dir, **settings), log_path=RESULTS / "server_load.log"
+        EmbeddedEngineConfig(model=model_dir, **settings),
+        log_path=Path(args.out).with_suffix(".log"),
     )
     with proc:
         proc.wait_ready(args.server_timeout)
@@ -376,7 +377,7 @@ def table(summary: dict) -> str:
             f"closed after {fmt(c['closed_after_median_s'])}s (median)"
         )
     if not summary["server_alive_after"]:
-        lines.append("SERVER DIED during the load (see benchmarks/results/server_load.log)")
+        lines.append("SERVER DIED during the load (see the server log beside the JSON)")
     return "\n".join(lines)
 
 
@@ -423,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "server_load.json"))
     args = parser.parse_args(argv)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     raise_open_file_limit()
     with tempfile.TemporaryDirectory(prefix="asyncgrpo-load-") as scratch:
         model_dir = model_directory(args, scratch)

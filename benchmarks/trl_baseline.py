@@ -11,7 +11,7 @@ scored by the same reward functions — from a callback whose time is excluded
 from the training clock. It writes `metrics.jsonl` in asyncgrpo's format, so
 `asyncgrpo plot --compare` and `end_to_end.py` read all systems alike.
 
-Needs the `trl` package (`make bench-e2e` installs it).
+Needs the `trl` package (pinned in the `dev` extra, which `make` installs).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncgrpo.models import resolve_model
     from asyncgrpo.rollout.data import load_prompts, render_prompt
     from asyncgrpo.rollout.rewards import RewardRunner
-    from asyncgrpo.trainer.checkpoint import save_weights
+    from asyncgrpo.trainer.checkpoint import copy_weights, write_weights
 
     cfg = load_config(args.recipe, args.overrides)
     torch.manual_seed(cfg.seed)
@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.monotonic()
                 (out / "weights").mkdir(exist_ok=True)
                 path = out / "weights" / f"step-{state.global_step:06d}.safetensors"
-                save_weights(path, model, snapshot_dtype)  # what asyncgrpo's snapshots hold
+                # what asyncgrpo's snapshots hold: tied tensors once, in the engine's dtype
+                write_weights(path, copy_weights(model, snapshot_dtype))
                 self.excluded += time.monotonic() - t0
             if self.elapsed() >= args_budget:
                 control.should_training_stop = True
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer.train()
     # the final weights, for scoring outside the run (benchmarks/end_to_end.py)
-    save_weights(out / "final_model.safetensors", model)
+    write_weights(out / "final_model.safetensors", copy_weights(model))
     metrics_file.close()
     runner.close()
     return 0

@@ -1,0 +1,70 @@
+"""Running a script of `benchmarks/` as its users do, on a recipe for the tiny model.
+
+The smoke tests (`tests/integration/test_benchmarks_smoke.py`, and the vLLM systems in
+`tests/vllm/test_benchmarks_vllm.py`) start each script as a child process from the
+repository root, so they catch what rots in a script: an import that moved, a flag or
+a function that changed, a result file that lost a key.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from asyncgrpo.testing import tiny_prompt_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 300) -> str:
+    """`python benchmarks/<script> ARGS` from the repository root; its output. A script
+    that fails (or hangs) fails the test with the end of that output."""
+    cmd = [sys.executable, str(BENCHMARKS / script), *args]
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as err:
+        output = err.stdout or ""
+        output = output.decode(errors="replace") if isinstance(output, bytes) else output
+        raise AssertionError(f"{script} ran past {timeout:g} s:\n{output[-4000:]}") from None
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{output[-4000:]}"
+    return output
+
+
+def write_tiny_recipe(directory: Path, model_dir: Path, **top_level) -> Path:
+    """A recipe on the tiny model: 40 chat prompts (4 held out), groups of 2 completions of
+    at most 6 tokens, 2 groups per step, one thread per process."""
+    directory.mkdir(parents=True, exist_ok=True)
+    data = directory / "prompts.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in tiny_prompt_rows(40)))
+    recipe = {
+        "name": "tiny",
+        "output_dir": str(directory / "runs"),
+        "seed": 0,
+        "max_steps": 2,
+        "eval_steps": 1,
+        "checkpoint_steps": 100,
+        "model": {"name_or_path": str(model_dir)},
+        "engine": {"dtype": "float32", "num_threads": 1, "max_num_seqs": 16, "max_model_len": 128},
+        "dataset": {"path": str(data), "eval_size": 4},
+        "rewards": ["asyncgrpo.testing:even_token_reward"],
+        "rollout": {"num_generations": 2, "max_tokens": 6},
+        "coordinator": {"batch_groups": 2, "max_staleness": 1},
+        "trainer": {
+            "learning_rate": 1e-3,
+            "micro_batch_tokens": 256,
+            "bf16_autocast": False,
+            "num_threads": 1,
+        },
+        **top_level,
+    }
+    path = directory / "tiny.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path

@@ -1,0 +1,225 @@
+"""Every script under `benchmarks/` runs: each on a tiny random model for a step or two.
+
+These are smoke tests, not measurements: they run a script as its README shows it, with
+flags that shrink it to seconds, and check what it wrote, so that a benchmark cannot rot
+unseen (as `trl_baseline.py` did when a helper it imported moved). The vLLM systems run
+in `tests/vllm/test_benchmarks_vllm.py` (`make test-vllm`), the Ray launchers and the
+2-rank trainers in the tests below marked `ray` and `slow`. `vllm_env.sh` is the
+installer `make test-vllm` runs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from benchmark_runs import run_benchmark, write_tiny_recipe
+from safetensors.torch import load_file
+
+LOCAL_SYSTEMS = "embedded,generate-bf16,generate-fp32"
+
+
+def read_json(path):
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_recipe(tiny_model_dir, tmp_path_factory):
+    return write_tiny_recipe(tmp_path_factory.mktemp("recipe"), tiny_model_dir)
+
+
+def test_engine_throughput(tmp_path):
+    out = tmp_path / "engine_throughput.json"
+    run_benchmark(
+        "engine_throughput.py",
+        *("--tiny", "--systems", LOCAL_SYSTEMS, "--threads", "1", "--max-num-seqs", "8"),
+        *("--max-model-len", "128", "--out", str(out)),
+    )
+    report = read_json(out)
+    results = {(r["system"], r["workload"]): r for r in report["results"]}
+    assert set(results) == {
+        (system, workload)
+        for system in LOCAL_SYSTEMS.split(",")
+        for workload in ("fixed64", "grpo256")
+    }
+    for (_, workload), result in results.items():
+        assert result["tok_s"] > 0
+        if workload == "fixed64":  # EOS ignored: every prompt gets exactly max_tokens
+            assert result["tokens"] == 4 * 8
+        else:  # 4 prompts x 2 samples, up to 8 tokens each
+            assert 0 < result["tokens"] <= 4 * 2 * 8
+    assert report["ratios"]["embedded/fixed64"]["vs_generate_bf16"] > 0
+    assert (tmp_path / "embedded.log").exists()
+
+
+def test_server_load(tmp_path):
+    out = tmp_path / "server_load.json"
+    run_benchmark(
+        "server_load.py",
+        *("--tiny", "--clients", "6", "--idle", "2", "--slow", "1", "--hold", "3"),
+        *("--max-tokens", "4", "--threads", "1", "--engine", "header_timeout_s=1"),
+        *("--out", str(out)),
+    )
+    summary = read_json(out)["summary"]
+    kinds = summary["kinds"]
+    assert kinds["all"]["requests"] == kinds["all"]["ok"] == 6
+    assert all(kinds[k]["ok"] == 2 for k in ("chat-stream", "complete-n4", "disconnect"))
+    assert summary["tokens_per_s"] > 0 and summary["server_alive_after"]
+    # the server's 1 s header timeout closed the idle connections within the 3 s hold
+    assert summary["idle"]["ends"] == {"closed by server": 2}
+    assert (tmp_path / "server_load.log").exists()
+
+
+def test_base_rate(tmp_path, tiny_model_dir):
+    out = tmp_path / "base_rate.json"
+    run_benchmark(
+        "base_rate.py",
+        *("--model", str(tiny_model_dir), "--tasks", "word_count", "--prompts", "2"),
+        *("--num-generations", "2", "--max-tokens", "4", "--threads", "1", "--dtype", "float32"),
+        *("--json", str(out)),
+    )
+    (task,) = read_json(out)
+    assert task["task"] == "word_count" and task["prompts"] == 2
+    assert task["rewards"] == ["word_count_reward"]
+    assert 0 < task["completion_tokens"] <= 4
+    assert 0.0 <= task["sampled_reward"] <= 1.0 and 0.0 <= task["greedy_reward"] <= 1.0
+
+
+def test_lora_apply(tmp_path, tiny_model_dir):
+    out = tmp_path / "lora_apply.json"
+    run_benchmark(
+        "lora_apply.py",
+        *("--model", str(tiny_model_dir), "--batches", "1", "2", "--repeats", "1"),
+        *("--syncs", "2", "--position", "8", "--out", str(out)),
+    )
+    result = read_json(out)
+    assert [row["batch"] for row in result["decode"]] == [1, 2]
+    assert all(row["decode_step_ms"] > 0 and row["lowrank_ms"] > 0 for row in result["decode"])
+    assert result["sync"]["sync_ms"] > 0 and result["sync"]["first_sync_ms"] > 0
+
+
+def test_lora(tmp_path, tiny_model_dir):
+    """The LoRA mode: its steps, gathers and one sync into a real embedded engine."""
+    out = tmp_path / "lora.json"
+    run_benchmark(
+        "lora.py",
+        *("--model", str(tiny_model_dir), "--modes", "lora", "--groups", "1"),
+        *("--group-size", "2", "--prompt-len", "8", "--completion-len", "17", "--steps", "1"),
+        *("--gathers", "1", "--syncs", "1", "--out", str(out)),
+    )
+    (result,) = read_json(out)["results"]
+    assert result["mode"] == "lora"
+    # A and B of q/k/v/o in each of the tiny model's 2 layers
+    assert result["published_tensors"] == 2 * 4 * 2 and result["published_bytes"] > 0
+    assert (
+        0
+        < result["trainable_params"]
+        < sum(t.numel() for t in load_file(tiny_model_dir / "model.safetensors").values())
+    )
+    assert result["median_step_s"] > 0 and result["median_sync_s"] > 0
+
+
+def test_train_step_packing(tmp_path, tiny_model_dir):
+    out = tmp_path / "train_step_packing.json"
+    run_benchmark(
+        "train_step_packing.py",
+        *("--model", str(tiny_model_dir), "--variants", "padded,packed_shared"),
+        *("--repeats", "1", "--groups", "1", "--group-size", "2", "--prompt-min", "4"),
+        *("--prompt-max", "8", "--completion-min", "2", "--completion-max", "8"),
+        *("--threads", "1", "--out", str(out)),
+    )
+    padded, shared = read_json(out)["results"]
+    assert (padded["variant"], shared["variant"]) == ("padded", "packed_shared")
+    assert padded["real_tokens"] == shared["real_tokens"]
+    # one prompt for the group and no padding: fewer tokens through the model
+    assert shared["forwarded_tokens"] < padded["real_tokens"] <= padded["forwarded_tokens"]
+    assert padded["tokens_per_s"] > 0 and shared["tokens_per_s"] > 0
+
+
+def data_parallel(tmp_path, *flags: str) -> list[dict]:
+    out = tmp_path / "data_parallel.json"
+    run_benchmark(
+        "data_parallel.py",
+        *("--tiny", "--steps", "1", "--groups", "1", "--group-size", "2", "--prompt-len", "8"),
+        *("--completion-len", "20", "--out", str(out), *flags),
+    )
+    rows = read_json(out)["rows"]
+    for row in rows:
+        assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["published_mb"] > 0
+    return rows
+
+
+def test_data_parallel_one_process(tmp_path):
+    (row,) = data_parallel(tmp_path, "--single")
+    assert row["config"].startswith("1 process")
+
+
+@pytest.mark.slow
+def test_data_parallel_two_ranks(tmp_path):
+    rows = data_parallel(tmp_path)
+    assert [r["config"].split(" (")[0] for r in rows] == [
+        "1 process",
+        "2 ranks ddp",
+        "2 ranks fsdp",
+    ]
+
+
+def test_end_to_end_with_the_trl_baseline(tmp_path, tiny_recipe, tiny_model_dir):
+    """asyncgrpo async and TRL's GRPOTrainer (`trl_baseline.py`) for 2 steps each, every
+    snapshot scored afterwards."""
+    out = tmp_path / "e2e"
+    run_benchmark(
+        "end_to_end.py",
+        *("--recipe", str(tiny_recipe), "--systems", "async,trl", "--max-steps", "2"),
+        *("--budget-s", "300", "--held-out", "4", "--score-steps", "1", "--trl-threads", "1"),
+        *("--score-threads", "1", "--keep-weights", "--out", str(out)),
+        timeout=600,
+    )
+    (run,) = read_json(out / "end_to_end.json")["runs"]
+    systems = {row["system"]: row for row in run["systems"]}
+    assert set(systems) == {"asyncgrpo async (staleness 2)", "TRL GRPOTrainer"}
+    for row in systems.values():
+        assert row["steps"] == 2 and row["samples_per_s"] > 0
+        assert len(row["curve"]) == 3  # the initial model, then the snapshots of steps 1 and 2
+    assert run["scored_rows"] == 4 and (out / "end_to_end.png").exists()
+
+    trl = out / "trl"
+    train = [json.loads(x) for x in (trl / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in train if r["kind"] == "train"] == [1, 2]
+    assert sorted(p.name for p in (trl / "weights").iterdir()) == [
+        "step-000001.safetensors",
+        "step-000002.safetensors",
+    ]
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    final = load_file(trl / "final_model.safetensors")
+    assert final.keys() == initial.keys()  # the tied LM head once, as asyncgrpo writes it
+    assert any(not torch.equal(final[k], initial[k]) for k in initial)  # TRL trained
+
+
+def test_ray_launcher_local(tmp_path, tiny_recipe):
+    """The script's local launcher; the Ray ones run in the test marked `ray` below."""
+    out = tmp_path / "ray_launcher.json"
+    run_benchmark(
+        "ray_launcher.py",
+        *("--launchers", "local", "--recipe", str(tiny_recipe), "--steps", "2"),
+        *("--repeats", "1", "--out", str(out)),
+    )
+    local = read_json(out)["median"]["local"]
+    assert local["transport"] == "shm"
+    assert local["samples_per_s"] > 0 and local["startup_s"] > 0
+
+
+@pytest.mark.ray
+def test_ray_launcher_every_launcher(tmp_path, tiny_recipe):
+    pytest.importorskip("ray")
+    out = tmp_path / "ray_launcher.json"
+    run_benchmark(
+        "ray_launcher.py",
+        *("--recipe", str(tiny_recipe), "--steps", "2", "--repeats", "1", "--out", str(out)),
+        timeout=600,
+    )
+    median = read_json(out)["median"]
+    assert list(median) == ["local", "ray (new)", "ray (same node)", "ray (other node)"]
+    assert median["ray (other node)"]["transport"] == "http"
+    assert all(m["samples_per_s"] > 0 for m in median.values())
