@@ -30,6 +30,9 @@ interrupted benchmark from those and from the runs that finished.
 
 The threshold defaults to the midpoint between the initial held-out reward
 and the best final one over the systems (stated in the output).
+
+This script runs the systems and scores their snapshots; the arithmetic over the results
+and the printed tables are in `e2e_report.py`.
 """
 
 from __future__ import annotations
@@ -43,18 +46,25 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from e2e_report import (  # benchmarks/ is on sys.path
+    ASYNC,
+    SYNC,
+    SYSTEM_LABELS,
+    midpoint_threshold,
+    paired_difference,
+    print_seed,
+    print_targets,
+    ratios,
+    snapshots,
+    summarise,
+)
+
+if TYPE_CHECKING:
+    from asyncgrpo.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    train, evals = [], []
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            (evals if row.get("kind") == "eval" else train).append(row)
-    return train, evals
 
 
 def run_asyncgrpo(
@@ -115,76 +125,6 @@ def run_trl(
     return run_dir
 
 
-def summarise(
-    label: str, run_dir: Path, samples_per_step: int, curve: list, threshold: float | None
-) -> dict:
-    """Throughput from the run's metrics, learning from its scored curve [(time_s, reward)]."""
-    train, _ = read_metrics(run_dir)
-    steps = train[-1]["step"] if train else 0
-    seconds = train[-1]["time_s"] if train else float("nan")
-    reached = crossing_time(curve, threshold)
-    # samples/s depends on how long the learned completions are; tokens/s does not
-    completion_tokens = sum((row.get("completion_len_mean") or 0.0) for row in train)
-    return {
-        "system": label,
-        "steps": steps,
-        "train_seconds": seconds,
-        "samples_per_s": steps * samples_per_step / seconds if train else float("nan"),
-        "completion_tokens_per_s": completion_tokens * samples_per_step / seconds
-        if train
-        else float("nan"),
-        "completion_len_mean": completion_tokens / len(train) if train else None,
-        "weight_sync_s_median": _median(train, "weight_sync_s"),
-        "engine_pause_s_median": _median(train, "engine_pause_s"),
-        "initial_reward": curve[0][1] if curve else None,
-        "final_reward": curve[-1][1] if curve else None,
-        "best_reward": max(r for _, r in curve) if curve else None,
-        "time_to_threshold_s": reached,
-        "curve": curve,
-        "run_dir": str(run_dir),
-    }
-
-
-def _median(rows: list[dict], key: str) -> float | None:
-    values = [row[key] for row in rows if row.get(key)]
-    return statistics.median(values) if values else None
-
-
-def crossing_time(curve: list, threshold: float | None) -> float | None:
-    """When the curve [(time_s, reward)] first reaches `threshold`, interpolated linearly
-    between the two scored snapshots around the crossing, so that a system with fewer
-    (slower) steps is not charged up to a whole snapshot interval for its coarser curve."""
-    if threshold is None:
-        return None
-    for i, (t, r) in enumerate(curve):
-        if r >= threshold:
-            if i == 0:
-                return t
-            t0, r0 = curve[i - 1]
-            return t0 + (threshold - r0) / (r - r0) * (t - t0)
-    return None
-
-
-def snapshots(run_dir: Path) -> list[tuple[int, float, Path]]:
-    """(step, training time, weights) of every snapshot a run saved, its final weights last."""
-    train, _ = read_metrics(run_dir)
-    time_at_step = {row["step"]: float(row["time_s"]) for row in train}
-    found = [
-        (int(path.stem.split("-")[1]), path)
-        for path in sorted((run_dir / "weights").glob("step-*.safetensors"))
-    ]
-    last = train[-1]["step"] if train else 0
-    final = run_dir / "final_model.safetensors"  # TRL's
-    if not final.exists():
-        from asyncgrpo.trainer.checkpoint import latest_checkpoint
-
-        ckpt = latest_checkpoint(run_dir / "checkpoints")
-        final = ckpt / "model.safetensors" if ckpt else None
-    if final is not None and last and (not found or found[-1][0] < last):
-        found.append((last, final))
-    return [(step, time_at_step[step], path) for step, path in found if step in time_at_step]
-
-
 async def score_weights(cfg, files: list[Path], rows: list[dict], threads: int):
     """Greedy reward per held-out row: for the initial model, then for each weight file.
 
@@ -237,25 +177,11 @@ async def score_weights(cfg, files: list[Path], rows: list[dict], threads: int):
     return scores
 
 
-def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
-    """Mean of a − b over the same prompts and its standard error."""
-    diffs = [x - y for x, y in zip(a, b, strict=True)]
-    return statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
-
-
-ASYNC, SYNC, TRL = (
-    "asyncgrpo async (staleness 2)",
-    "asyncgrpo sync (staleness 0)",
-    "TRL GRPOTrainer",
-)
-VLLM = "asyncgrpo async, vLLM engine"
-SYSTEM_LABELS = {"async": ASYNC, "sync": SYNC, "trl": TRL, "vllm": VLLM}
-
-
-def run_seed(args, seed: int, out: Path) -> dict:
-    """Every system on one seed, then every saved snapshot scored by one evaluator."""
+def seed_config(args, seed: int) -> tuple[list[str], RunConfig]:
+    """The overrides every system gets on one seed, and the config they make: the held-out
+    rows kept out of training for all, snapshots every `--score-steps`, in-run evaluation
+    and periodic checkpoints out of the way."""
     from asyncgrpo.config import load_config
-    from asyncgrpo.rollout.data import load_prompts
 
     recipe_cfg = load_config(args.recipe, args.overrides)
     in_run = recipe_cfg.dataset.get("eval_size") or 0
@@ -269,15 +195,12 @@ def run_seed(args, seed: int, out: Path) -> dict:
         f"save_weights_steps={args.score_steps or recipe_cfg.eval_steps}",
         "checkpoint_steps=1000000",  # only the checkpoint at exit, outside the budget
     ]
-    cfg = load_config(args.recipe, overrides)
-    samples_per_step = cfg.coordinator.batch_groups * cfg.rollout.num_generations
-    out.mkdir(parents=True, exist_ok=True)
-    saved_result = out / "result.json"
-    if args.reuse and saved_result.exists():
-        result = json.loads(saved_result.read_text())
-        print(f"[seed {seed}] reusing {saved_result}")
-        print_seed(result, args)
-        return result
+    return overrides, load_config(args.recipe, overrides)
+
+
+def run_systems(args, out: Path, overrides: list[str]) -> dict[str, Path]:
+    """Every system of `--systems` trained in turn (with `--reuse`, a finished run is kept
+    instead); their run directories by label."""
     runs: dict[str, Path] = {}
     for system in args.systems:
         label, run_dir = SYSTEM_LABELS[system], out / system
@@ -302,6 +225,17 @@ def run_seed(args, seed: int, out: Path) -> dict:
             runs[label] = run_asyncgrpo(
                 args.recipe, out, system, staleness, args.budget_s, overrides, args.max_steps
             )
+    return runs
+
+
+def score_runs(args, cfg: RunConfig, runs: dict[str, Path], seed: int):
+    """Every saved snapshot of every run scored on the held-out rows by one evaluator.
+
+    Returns the initial model's reward per row, each system's rewards per row for the
+    initial model and then each snapshot, each system's curve [(time_s, mean reward)],
+    and the number of held-out rows.
+    """
+    from asyncgrpo.rollout.data import load_prompts
 
     _, eval_rows = load_prompts(cfg.dataset, cfg.seed)
     saved = {label: snapshots(run_dir) for label, run_dir in runs.items()}
@@ -315,21 +249,42 @@ def run_seed(args, seed: int, out: Path) -> dict:
         curves[label] = [(0.0, statistics.mean(initial))] + [
             (t, statistics.mean(s)) for (_, t, _), s in zip(points, per_prompt[label][1:])
         ]
-    if not args.keep_weights:  # ~0.5 GB per snapshot, 1.6 GB per checkpoint
-        for run_dir in runs.values():
-            for name in ("weights", "checkpoints"):
-                shutil.rmtree(run_dir / name, ignore_errors=True)
-            (run_dir / "final_model.safetensors").unlink(missing_ok=True)
+    return initial, per_prompt, curves, len(eval_rows)
+
+
+def drop_weights(runs: dict[str, Path]) -> None:
+    """Delete the scored snapshots and checkpoints (~0.5 GB per snapshot, 1.6 GB per
+    checkpoint); the metrics and logs stay."""
+    for run_dir in runs.values():
+        for name in ("weights", "checkpoints"):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+        (run_dir / "final_model.safetensors").unlink(missing_ok=True)
+
+
+def run_seed(args, seed: int, out: Path) -> dict:
+    """Every system on one seed, then every saved snapshot scored by one evaluator."""
+    overrides, cfg = seed_config(args, seed)
+    samples_per_step = cfg.coordinator.batch_groups * cfg.rollout.num_generations
+    out.mkdir(parents=True, exist_ok=True)
+    saved_result = out / "result.json"
+    if args.reuse and saved_result.exists():
+        result = json.loads(saved_result.read_text())
+        print(f"[seed {seed}] reusing {saved_result}")
+        print_seed(result, args)
+        return result
+    runs = run_systems(args, out, overrides)
+    initial, per_prompt, curves, scored_rows = score_runs(args, cfg, runs, seed)
+    if not args.keep_weights:
+        drop_weights(runs)
 
     threshold = args.threshold
     if threshold is None:
-        finals = [c[-1][1] for c in curves.values() if len(c) > 1]
-        threshold = (statistics.mean(initial) + max(finals)) / 2 if finals else None
+        threshold = midpoint_threshold(initial, curves)
     rows = [summarise(k, v, samples_per_step, curves[k], threshold) for k, v in runs.items()]
     result = {
         "seed": seed,
         "threshold": threshold,
-        "scored_rows": len(eval_rows),
+        "scored_rows": scored_rows,
         "systems": rows,
         "final_per_prompt": {k: v[-1] for k, v in per_prompt.items()},
     }
@@ -356,54 +311,7 @@ def finished(run_dir: Path) -> bool:
     )
 
 
-def fmt(x, spec=".3f"):
-    return "-" if x is None else format(x, spec)
-
-
-def print_seed(result: dict, args) -> None:
-    print(
-        f"\nrecipe {args.recipe}, seed {result['seed']}, budget {args.budget_s:.0f}s per system; "
-        f"held-out reward: greedy on {result['scored_rows']} rows, scored after the runs; "
-        f"threshold {fmt(result['threshold'])}"
-    )
-    header = (
-        f"{'system':32} {'steps':>6} {'samples/s':>10} {'compl tok/s':>12} {'initial':>8} "
-        f"{'final':>7} {'best':>7} {'t→thr (s)':>10} {'sync (s)':>9} {'pause (s)':>9}"
-    )
-    print(header + "\n" + "-" * len(header))
-    for r in result["systems"]:
-        print(
-            f"{r['system']:32} {r['steps']:>6} {fmt(r['samples_per_s'], '.2f'):>10} "
-            f"{fmt(r['completion_tokens_per_s'], '.1f'):>12} {fmt(r['initial_reward']):>8} "
-            f"{fmt(r['final_reward']):>7} {fmt(r['best_reward']):>7} "
-            f"{fmt(r['time_to_threshold_s'], '.0f'):>10} "
-            f"{fmt(r.get('weight_sync_s_median')):>9} {fmt(r.get('engine_pause_s_median')):>9}"
-        )
-    if "async_minus_sync" in result:
-        mean, se = result["async_minus_sync"]
-        print(f"final reward, async − sync (paired by prompt): {mean:+.3f} ± {se:.3f} (SE)")
-
-
-def ratios(result: dict) -> dict[str, float | None]:
-    """The benchmark's targets for one seed, as ratios (None when a side is missing)."""
-    by = {r["system"]: r for r in result["systems"]}
-
-    def ratio(key: str, a: str, b: str):
-        if a in by and b in by and by[a][key] and by[b][key]:
-            return by[a][key] / by[b][key]
-        return None
-
-    return {
-        "async/TRL samples/s (≥ 2)": ratio("samples_per_s", ASYNC, TRL),
-        "async/TRL time to threshold (≤ 0.5)": ratio("time_to_threshold_s", ASYNC, TRL),
-        "async/sync samples/s (≥ 1.2)": ratio("samples_per_s", ASYNC, SYNC),
-        "async − sync final reward": result.get("async_minus_sync", (None,))[0],
-        "vLLM/TRL samples/s": ratio("samples_per_s", VLLM, TRL),
-        "vLLM/embedded samples/s": ratio("samples_per_s", VLLM, ASYNC),
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", default="recipes/default.yaml")
     parser.add_argument(
@@ -457,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="recipe override applied to every system",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(args.systems) - set(SYSTEM_LABELS)
@@ -471,14 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_seed(args, seed, out / f"seed{seed}" if len(seeds) > 1 else out))
 
     per_seed = [ratios(r) for r in results]
-    print(f"\ntargets per seed {seeds} and their median:")
-    for key in per_seed[0]:
-        values = [p[key] for p in per_seed]
-        known = [v for v in values if v is not None]
-        median = statistics.median(known) if known else None
-        cells = " ".join(f"{fmt(v, '+.3f' if '−' in key else '.2f'):>7}" for v in values)
-        spec = "+.3f" if "−" in key else ".2f"
-        print(f"  {key:38} {cells}   median {fmt(median, spec)}")
+    print_targets(seeds, per_seed)
     summary = {
         "recipe": args.recipe,
         "budget_s": args.budget_s,
