@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-fuzz test-vllm test-ray test-gpu lint format bench bench-e2e clean
+.PHONY: demo test test-heavy test-all test-slow test-fuzz test-vllm test-ray test-gpu lint format bench bench-e2e clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,8 +18,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m asyncgrpo.demo
 
+# The edit-test loop: unit tests and one quick integration path per subsystem (a few minutes).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# What `make test` leaves out for speed: trainer ranks in processes, kill -9 and resume,
+# hung ranks and stalled engines waiting out their timeouts, more runs per feature (~15 min).
+test-heavy: $(STAMP)
+	$(BIN)/python -m pytest -q -m heavy
+
+# Every CPU test that needs no extra environment: what CI runs before the fuzz/vLLM/Ray suites.
+test-all: test test-heavy
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

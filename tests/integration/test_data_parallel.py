@@ -116,8 +116,23 @@ def parallel_trainer(cfg: RunConfig, model_dir: Path, run_dir: Path):
     return make_trainer(cfg, policy, run_dir, str(model_dir))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+# one pairing per strategy in `make test`; the other six under `make test-heavy`
+QUICK_PAIRINGS = {("grpo", "ddp"), ("dapo", "fsdp")}
+
+
+@pytest.mark.parametrize(
+    "aggregation, strategy",
+    [
+        pytest.param(
+            aggregation,
+            strategy,
+            id=f"{aggregation}-{strategy}",
+            marks=() if (aggregation, strategy) in QUICK_PAIRINGS else pytest.mark.heavy,
+        )
+        for strategy in ("ddp", "fsdp")
+        for aggregation in AGGREGATIONS
+    ],
+)
 def test_two_ranks_equal_one_process(tmp_path, aggregation, strategy):
     assert_two_ranks_equal_one_process(tmp_path, aggregation, strategy)
 
@@ -125,6 +140,7 @@ def test_two_ranks_equal_one_process(tmp_path, aggregation, strategy):
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "strategy, sections",
     [
@@ -188,6 +204,7 @@ def assert_two_ranks_equal_one_process(tmp_path, aggregation, strategy, **sectio
         assert single_metrics[-1]["kl"] > 0
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("writer", ["fsdp", "one-process"])
 def test_a_sharded_trainer_restores_a_checkpoint_exactly(tmp_path, writer):
     """A checkpoint (written whole by rank 0 of an fsdp trainer, or by one process) loads
@@ -273,6 +290,7 @@ def assert_checkpoints_equal(a: Path, b: Path) -> None:
     assert state_a["scheduler"] == state_b["scheduler"]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_two_process_run_survives_kill_9_of_a_rank_by_resuming(
     tmp_path, tiny_model_dir, strategy
@@ -318,6 +336,7 @@ def test_a_two_process_run_survives_kill_9_of_a_rank_by_resuming(
     assert (run_dir / "trainer-rank1.log").exists()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_torchrun_launch_trains_on_both_ranks(tmp_path, tiny_model_dir, strategy):
     """`torchrun --nproc_per_node 2 -m asyncgrpo.cli train RECIPE`: each rank reads
@@ -363,6 +382,7 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_hung_rank_stops_the_job_within_the_collective_timeout(
     tmp_path, tiny_model_dir, strategy

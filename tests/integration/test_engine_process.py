@@ -58,6 +58,7 @@ def test_a_close_during_a_restart_in_another_thread_leaves_no_engine_running(eng
     assert engine_children() == [] and not engine.alive()
 
 
+@pytest.mark.heavy
 def test_a_restart_that_is_not_ready_in_time_stops_its_child(engine):
     with pytest.raises(EngineStartError, match="not ready"):
         engine.restart(0.01)  # the tiny model loads in seconds, not in 10 ms

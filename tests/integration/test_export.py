@@ -272,6 +272,7 @@ def greedy_before_close(monkeypatch) -> dict:
     return served
 
 
+@pytest.mark.heavy
 def test_lora_train_syncs_the_adapter_and_exports_what_the_engine_served(
     tmp_path, base_dir, monkeypatch
 ):

@@ -73,6 +73,7 @@ def sleep_forever(prompts, completions, **kw):
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("workers", ["thread", "process"])
 def test_a_reward_that_never_returns_ends_the_run_and_the_process_exits(
     tmp_path, tiny_model_dir, workers
@@ -151,6 +152,7 @@ def test_an_external_engine_that_stalls_in_a_sync_ends_it_with_a_clear_error(
     assert "weight sync to the engine has taken" in caplog.text  # said while it waited
 
 
+@pytest.mark.heavy
 def test_an_engine_stopped_before_a_weight_sync_is_restarted_and_the_run_finishes(
     tmp_path, tiny_model_dir, monkeypatch, caplog
 ):

@@ -98,13 +98,14 @@ def flatness_problems(values: list[float], precision: str) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.heavy)])
 def test_mismatch_stays_flat_at_learning_rate_0(tmp_path, tiny_model_dir, precision):
     values = run_at_lr_0(tmp_path, tiny_model_dir, precision)
     assert flatness_problems(values, precision) == [], [f"{v:.3g}" for v in values]
     assert any(v > 0 for v in values), "no loss token was compared"
 
 
+@pytest.mark.heavy
 def test_a_run_under_top_p_trains_on_the_engines_nucleus(tmp_path, tiny_model_dir):
     """Through the recipe: the trainer's log-probs use `rollout.top_p` (5.3e-3 without it)."""
     values = run_at_lr_0(tmp_path, tiny_model_dir, "fp32", **{"rollout.top_p": 0.9})

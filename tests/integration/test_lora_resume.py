@@ -101,6 +101,7 @@ def logprobs_of(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return torch.tensor([logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(tokens)])
 
 
+@pytest.mark.heavy
 def test_lora_checkpoint_is_the_adapter_and_resume_continues_the_run(
     tmp_path, tiny_model_dir, monkeypatch
 ):

@@ -83,6 +83,7 @@ def recipe(tmp_path: Path, model_dir: Path, name: str, reward: str, **overrides)
     return cfg
 
 
+@pytest.mark.heavy
 def test_a_reward_that_always_raises_ends_the_run_naming_it(tmp_path, tiny_model_dir):
     cfg = recipe(tmp_path, tiny_model_dir, "raises", "spin_rewards:always_raises")
     code, out, elapsed = run_cli(tmp_path, cfg, timeout_s=120)
@@ -113,6 +114,7 @@ def test_a_reward_that_always_raises_ends_the_demo_recipe_within_60_s(tmp_path):
     assert "reward function 'always_raises' raised ValueError" in out, out[-3000:]
 
 
+@pytest.mark.heavy
 def test_constant_rewards_end_the_run_with_a_sample(tmp_path, tiny_model_dir):
     def constant_reward(prompts, completions, **kwargs):
         return [0.5] * len(completions)
@@ -138,6 +140,7 @@ def test_constant_rewards_end_the_run_with_a_sample(tmp_path, tiny_model_dir):
     assert "rollout.filter_zero_variance: false" in message
 
 
+@pytest.mark.heavy
 def test_max_time_s_ends_a_run_whose_batches_never_come(tmp_path, tiny_model_dir):
     cfg = recipe(
         tmp_path,

@@ -96,6 +96,7 @@ def test_engine_process_failure_carries_the_cause_from_its_log(tmp_path, unsuppo
         assert (str(log) in message) == (log_path is not None)
 
 
+@pytest.mark.heavy
 def test_train_on_an_unsupported_architecture_prints_the_cause(tmp_path):
     """End to end through `asyncgrpo train`: a GPT-2 directory with weights and a tokenizer
     (the trainer loads it; the embedded engine refuses it), the cause from engine.log on the
@@ -135,6 +136,7 @@ def test_train_on_an_unsupported_architecture_prints_the_cause(tmp_path):
     assert "Traceback" not in console
 
 
+@pytest.mark.heavy
 def test_serve_on_a_broken_model_prints_the_cause(tmp_path):
     broken = save_tiny_model_dir(tmp_path / "broken")
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")

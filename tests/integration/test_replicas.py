@@ -164,6 +164,7 @@ def test_both_replicas_serve_every_version_after_each_sync(replicas, tiny_model_
                 assert set(sample.weight_versions) == {version}
 
 
+@pytest.mark.heavy
 def test_a_killed_replica_restarts_while_the_other_keeps_generating(
     tmp_path, tiny_model_dir, monkeypatch
 ):
@@ -252,6 +253,7 @@ def test_a_killed_replica_restarts_while_the_other_keeps_generating(
     assert set(engine_children()) == fixture_engines
 
 
+@pytest.mark.heavy
 def test_an_agent_run_on_two_replicas_trains_with_versions_advancing(tmp_path, tiny_model_dir):
     fixture_engines = set(engine_children())
     hosts: list[str] = []

@@ -255,6 +255,7 @@ def test_async_run_bounds_staleness_and_accounts_for_every_group(
     assert all(torch.equal(final[k], checkpoint[k]) for k in final)
 
 
+@pytest.mark.heavy
 def test_killed_engine_is_restarted_and_no_group_is_lost(tmp_path, tiny_model_dir, monkeypatch):
     killed = []
 
@@ -341,6 +342,7 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.heavy
 def test_sigterm_checkpoints_and_exits_quickly(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path, tiny_model_dir, "term", max_steps=1000)
     run_dir, log = tmp_path / "term", tmp_path / "term.log"
@@ -360,6 +362,7 @@ def test_sigterm_checkpoints_and_exits_quickly(tmp_path, tiny_model_dir):
     assert not [p for p in children if Path(f"/proc/{p}").exists()], "engine not reaped"
 
 
+@pytest.mark.heavy
 def test_kill_9_then_resume_continues_from_the_checkpoint(tmp_path, tiny_model_dir):
     recipe = write_recipe(
         tmp_path, tiny_model_dir, "crash", max_steps=8, **{"coordinator.max_staleness": 1}
