@@ -98,7 +98,8 @@ def flatness_problems(values: list[float], precision: str) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.heavy)])
+@pytest.mark.heavy
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_mismatch_stays_flat_at_learning_rate_0(tmp_path, tiny_model_dir, precision):
     values = run_at_lr_0(tmp_path, tiny_model_dir, precision)
     assert flatness_problems(values, precision) == [], [f"{v:.3g}" for v in values]

@@ -222,7 +222,13 @@ def sample(proc: EngineProcess, name: str) -> tuple[list[int], list[float]]:
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
 
-@pytest.mark.parametrize("weights", ["checkpoints/step-000003", "weights/step-000002.safetensors"])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        "checkpoints/step-000003",
+        pytest.param("weights/step-000002.safetensors", marks=pytest.mark.heavy),
+    ],
+)
 def test_serve_loads_a_run_checkpoint_and_generates_with_its_weights(
     tmp_path, trained_run, weights
 ):
