@@ -4,7 +4,7 @@ These are smoke tests, not measurements: they run a script as its README shows i
 flags that shrink it to seconds, and check what it wrote, so that a benchmark cannot rot
 unseen (as `trl_baseline.py` did when a helper it imported moved). The vLLM systems run
 in `tests/vllm/test_benchmarks_vllm.py` (`make test-vllm`), the Ray launchers and the
-2-rank trainers in the tests below marked `ray` and `slow`. `vllm_env.sh` is the
+2-rank trainers in the tests below marked `ray` and `heavy`. `vllm_env.sh` is the
 installer `make test-vllm` runs.
 """
 
@@ -155,7 +155,7 @@ def test_data_parallel_one_process(tmp_path):
     assert row["config"].startswith("1 process")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # 2 ranks twice: make test-heavy, which CI runs
 def test_data_parallel_two_ranks(tmp_path):
     rows = data_parallel(tmp_path)
     assert [r["config"].split(" (")[0] for r in rows] == [
