@@ -168,6 +168,7 @@ def test_cli_errors_are_one_line(tmp_path, base_dir, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.heavy
 def test_cli_exports_into_an_empty_directory(tmp_path, base_dir):
     """The installed entry point, in its own process: a success, then a user error."""
     run = TrainedRun(tmp_path / "run", base_dir, lora=LORA)

@@ -113,6 +113,7 @@ def test_a_run_under_top_p_trains_on_the_engines_nucleus(tmp_path, tiny_model_di
     assert max(values) < 1e-8, values
 
 
+@pytest.mark.heavy
 def test_flatness_check_notices_engine_weights_that_drift(tmp_path, tiny_model_dir, monkeypatch):
     """A sync that leaves the engine a little further from the trainer each step is caught."""
     published = trainer_loop.PolicyTrainer.named_weights

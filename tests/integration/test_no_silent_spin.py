@@ -217,6 +217,7 @@ def unit_fakes():
     return module
 
 
+@pytest.mark.heavy
 def test_rows_without_a_prompt_in_the_pipeline_stop_it_without_a_hot_loop(tmp_path):
     """Rows that skipped the up-front checks: the real single-turn builder, orchestrator,
     producer and batch wait, with a fake engine (the builder refuses before generating)."""

@@ -78,6 +78,7 @@ def test_unsupported_architecture_names_an_alternative_that_exists(unsupported_m
     assert "--upstream-url" in message  # a real `asyncgrpo serve` flag
 
 
+@pytest.mark.heavy
 def test_engine_process_failure_carries_the_cause_from_its_log(tmp_path, unsupported_model_dir):
     log = tmp_path / "engine.log"
     log.write_text("an earlier run's last line\n")  # the log is appended to: not this start's
