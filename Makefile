@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # What `make test` leaves out for speed: trainer ranks in processes, kill -9 and resume,
-# hung ranks and stalled engines waiting out their timeouts, more runs per feature (~8 min).
+# hung ranks and stalled engines waiting out their timeouts, more runs per feature (~10 min).
 test-heavy: $(STAMP)
 	$(BIN)/python -m pytest -q -m heavy
 
