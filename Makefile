@@ -60,7 +60,7 @@ $(RAY_STAMP): $(STAMP)
 test-ray: $(RAY_STAMP) $(VLLM_VENV)/.installed
 	ASYNCGRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
 		timeout 900 $(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py \
-		tests/vllm/test_ray_vllm.py
+		tests/vllm/test_ray_vllm.py tests/integration/test_benchmarks_smoke.py
 
 # The trainer on a CUDA GPU (trainer.device, FSDP2 over NCCL, a CLI run): tests marked `gpu`,
 # skipped where torch sees no GPU. Needs a CUDA build of torch in .venv (not the CPU pin).
