@@ -706,7 +706,10 @@ def stuck_reward(release: threading.Event):
     return blocked_reward
 
 
-@pytest.mark.parametrize("stall", ["reward", "engine"])
+@pytest.mark.parametrize(
+    "stall",
+    ["reward", pytest.param("engine", marks=pytest.mark.heavy)],  # second run: heavy
+)
 def test_watchdog_names_what_a_stalled_run_waits_for(tmp_path, caplog, stall):
     release = threading.Event()
     rewards = RewardRunner([stuck_reward(release)], timeout_s=60)

@@ -405,6 +405,7 @@ def running(tmp_path) -> list[int]:
     return pids
 
 
+@pytest.mark.heavy  # waits out a start-up timeout
 def test_a_restart_that_hangs_in_start_up_is_stopped_and_tried_once_more(tmp_path, caplog):
     server = stand_in_server(tmp_path, hang={2})
     try:
