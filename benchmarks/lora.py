@@ -79,7 +79,7 @@ def make_groups(args, vocab: int):
             completion = [rng.randrange(vocab) for _ in range(n)]
             reward = [float(i % 2)]
             rollouts.append(Rollout(prompt, completion, [-2.0] * n, [0] * n, "stop", "", reward))
-        groups.append(Group(g, g, {}, rollouts))
+        groups.append(Group(g, {}, rollouts))
     return groups
 
 

@@ -93,7 +93,7 @@ def batches(seed: int = 0, steps: int = 3) -> list[list[Group]]:
                         rewards=[rng.choice([0.0, 0.5, 1.0])],
                     )
                 )
-            groups.append(Group(step * 10 + g, g, {}, rollouts))
+            groups.append(Group(step * 10 + g, {}, rollouts))
         out.append(groups)
     return out
 

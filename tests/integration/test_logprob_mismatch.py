@@ -147,7 +147,6 @@ async def sample_groups(base_url: str, temperature: float, top_p: float) -> list
     return [
         Group(
             group_id=i,
-            data_index=i,
             row={},
             rollouts=[
                 Rollout(

@@ -90,7 +90,7 @@ def sampled(run_dir: Path) -> list[tuple]:
     """(step, group id, data index, completions) of each trained group, by step and group
     id: within a step, groups reach the batch in the order they finish, which varies."""
     return sorted(
-        (s["step"], s["group_id"], s["data_index"], [c["completion"] for c in s["samples"]])
+        (s["step"], s["group_id"], [c["completion"] for c in s["samples"]])
         for s in read_jsonl(run_dir / "samples.jsonl")
     )
 

@@ -168,11 +168,11 @@ class HangsAfter:
         builder = unit_fakes().FakeBuilder(engine)
         build, left = builder.build, [self.groups]
 
-        async def build_then_hang(group_id, position, row):
+        async def build_then_hang(group_id, row):
             left[0] -= 1
             if left[0] < 0:
                 await asyncio.Event().wait()
-            return await build(group_id, position, row)
+            return await build(group_id, row)
 
         builder.build = build_then_hang
         return builder

@@ -391,7 +391,7 @@ def test_kill_9_then_resume_continues_from_the_checkpoint(tmp_path, tiny_model_d
     )
     assert state["step"] == 8 and saved >= 4
     samples = read_jsonl(run_dir / "samples.jsonl")
-    positions = [s["data_index"] for s in samples]
+    positions = [s["group_id"] for s in samples]
     assert len(positions) == len(set(positions)), "a prompt was trained twice"
 
 

@@ -70,8 +70,8 @@ def builder(outcomes, num_generations=3, retries=1) -> tuple[EpisodeGroupBuilder
 def test_episode_samples_become_rollouts_on_their_exact_ids():
     b, _ = builder([outcome(1.0), outcome(0.0, samples=[two_turn_sample(20), two_turn_sample(30)])])
     b.settings.num_generations = 2
-    group = asyncio.run(b.build(7, 5, {"prompt": "x"}))
-    assert (group.group_id, group.data_index) == (7, 5)
+    group = asyncio.run(b.build(7, {"prompt": "x"}))
+    assert group.group_id == 7
     assert [r.rewards for r in group.rollouts] == [[1.0], [0.0], [0.0]]  # every branch scored
     r = group.rollouts[0]
     assert r.prompt_ids == [1, 2, 3]
@@ -91,13 +91,13 @@ def test_episode_samples_become_rollouts_on_their_exact_ids():
 def test_infra_error_is_rescheduled_then_drops_the_group():
     infra = outcome(None, StopReason.INFRA_ERROR, samples=[])
     b, run = builder([outcome(1.0), infra, outcome(0.0), outcome(0.5)])
-    group = asyncio.run(b.build(0, 0, {}))
+    group = asyncio.run(b.build(0, {}))
     assert run.calls == 4 and len(group.rollouts) == 3
     assert b.stats.take()["episode_infra_retries"] == 1
 
     b, run = builder([outcome(1.0), infra, outcome(0.0), infra], retries=1)
     with pytest.raises(GroupDropped) as dropped:
-        asyncio.run(b.build(0, 0, {}))
+        asyncio.run(b.build(0, {}))
     assert dropped.value.reason == "infra_error"
     assert b.stats.take()["stop_reasons"]["infra_error"] == 2
 
@@ -105,7 +105,7 @@ def test_infra_error_is_rescheduled_then_drops_the_group():
 def test_untrainable_episodes_are_masked_out_and_too_few_drop_the_group():
     reward_error = outcome(None, StopReason.REWARD_ERROR, samples=[two_turn_sample(40)])
     b, _ = builder([outcome(1.0), reward_error, outcome(0.0)])
-    group = asyncio.run(b.build(0, 0, {}))
+    group = asyncio.run(b.build(0, {}))
     assert [r.completion_ids[0] for r in group.rollouts] == [10, 10]
     assert all(r.rewards[0] is not None for r in group.rollouts)  # nothing scored 0 silently
     assert b.stats.take()["stop_reasons"] == {"ok": 2, "reward_error": 1}
@@ -113,17 +113,17 @@ def test_untrainable_episodes_are_masked_out_and_too_few_drop_the_group():
     timeout = outcome(None, StopReason.TIMEOUT)
     b, _ = builder([outcome(1.0), reward_error, timeout])
     with pytest.raises(GroupDropped) as dropped:
-        asyncio.run(b.build(0, 0, {}))
+        asyncio.run(b.build(0, {}))
     assert dropped.value.reason == "degenerate"
 
 
 def test_equal_rewards_flag_zero_variance():
     b, _ = builder([outcome(1.0), outcome(1.0), outcome(None, StopReason.TIMEOUT)])
-    assert asyncio.run(b.build(0, 0, {})).zero_variance
+    assert asyncio.run(b.build(0, {})).zero_variance
 
 
 def test_orchestrator_counts_a_dropped_agent_group_under_its_reason():
-    async def drop(group_id, position, row):
+    async def drop(group_id, row):
         raise GroupDropped("infra_error")
 
     class Prompts:
@@ -140,7 +140,7 @@ def test_orchestrator_counts_a_dropped_agent_group_under_its_reason():
     buffer = RolloutBuffer(1, 0, on_group_end=prompts.done)
     assert buffer.wait_admit(0.1)
     orch = Orchestrator(Dropping(), buffer, prompts)
-    asyncio.run(orch._run_group(0, 9, {}))
+    asyncio.run(orch._run_group(9, {}))
     assert orch.failures["infra_error"] == 1 and prompts.done_positions == [9]
     assert buffer.snapshot()["dropped"] == {"infra_error": 1}
 
@@ -150,7 +150,7 @@ def test_orchestrator_counts_sampled_tokens_of_agent_groups():
     assert buffer.wait_admit(0.1)
     b, _ = builder([outcome(1.0), outcome(0.0)], num_generations=2)
     orch = Orchestrator(b, buffer, prompts=None)
-    asyncio.run(orch._run_group(0, 0, {}))
+    asyncio.run(orch._run_group(0, {}))
     assert orch.generated_tokens == 8  # sampled only, tool tokens excluded
     assert len(buffer.get_batch(0, timeout=1)[0].rollouts) == 2
 
@@ -192,7 +192,7 @@ def test_trainer_ignores_inserted_tokens():
             )
             for i in range(2)
         ]
-        metrics = trainer.step([Group(0, 0, {}, rollouts)])
+        metrics = trainer.step([Group(0, {}, rollouts)])
         return metrics["loss"], model.model.embed_tokens.weight.detach().clone()
 
     loss_a, weights_a = run(0.0)
@@ -227,7 +227,7 @@ def test_reward_functions_grade_the_final_reply_as_metrics_only():
     graders = RewardRunner([ends_in_13])
     b, _ = builder([outcome(1.0), outcome(0.0)], num_generations=2)
     b.graders = graders
-    group = asyncio.run(b.build(0, 0, {"prompt": "x"}))
+    group = asyncio.run(b.build(0, {"prompt": "x"}))
     assert [r.rewards for r in group.rollouts] == [[1.0], [0.0]]  # the rollout's reward
     assert b.stats.take()["final_ends_in_13"] == 1.0
     graders.close()

@@ -13,7 +13,7 @@ from asyncgrpo.coordinator.staleness import admission_budget, is_too_stale, may_
 @dataclass
 class G:
     min_version: int
-    data_index: int = 0
+    group_id: int = 0
 
 
 def test_budget_never_empty_at_staleness_zero():

@@ -26,7 +26,7 @@ def groups() -> list[Group]:
             )
             for i in range(3)
         ]
-        out.append(Group(g, g, {}, rollouts))
+        out.append(Group(g, {}, rollouts))
     return out
 
 

@@ -9,7 +9,7 @@ from asyncgrpo.coordinator.ledger import GroupLedger
 
 class G:
     def __init__(self, position: int, min_version: int = 0):
-        self.data_index, self.min_version = position, min_version
+        self.group_id, self.min_version = position, min_version
 
 
 def test_every_end_is_counted_once_and_releases_its_prompt_once():
@@ -62,13 +62,13 @@ def test_the_buffer_ends_each_group_in_exactly_one_place():
     buf.discard("reward_error", 7)  # failed while being built
     assert buf.wait_admit(0)
     buf.put(G(8))
-    assert buf.get_batch(trainer_version=0, timeout=1)[0].data_index == 8
+    assert buf.get_batch(trainer_version=0, timeout=1)[0].group_id == 8
     buf.set_engine_version(3)
     assert buf.wait_admit(0)
     buf.put(G(9, min_version=0))  # sampled at version 0, trained at 3: too stale
     assert buf.wait_admit(0)
     buf.put(G(10, min_version=3))
-    assert buf.get_batch(trainer_version=3, timeout=1)[0].data_index == 10
+    assert buf.get_batch(trainer_version=3, timeout=1)[0].group_id == 10
     assert released == [7, 8, 9, 10]
     position, record = buf.record(lambda: "position")
     assert position == "position"

@@ -145,7 +145,7 @@ def groups_by_hand() -> list[Group]:
             )
             for i in range(4)
         ]
-        groups.append(Group(g, g, {}, rollouts))
+        groups.append(Group(g, {}, rollouts))
     return groups
 
 

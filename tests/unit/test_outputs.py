@@ -42,7 +42,7 @@ def make_group(group_id: int, scores: list[tuple[float | None, float]]) -> Group
     for r in rollouts:
         r.reward = sum(x for x in r.rewards if x is not None)
     prompt = [{"role": "user", "content": f"question {group_id}"}]
-    return Group(group_id, group_id, {"prompt": prompt}, rollouts)
+    return Group(group_id, {"prompt": prompt}, rollouts)
 
 
 def consume(buffer: RolloutBuffer, groups: list[Group]) -> list[Group]:
@@ -66,7 +66,7 @@ def test_each_reward_function_gets_its_mean_and_every_sample_is_written(tmp_path
     assert row["reward/brevity"] == pytest.approx(0.5)
 
     lines = list(iter_jsonl(tmp_path / "samples.jsonl"))
-    assert [line["data_index"] for line in lines] == [0, 1]
+    assert [line["group_id"] for line in lines] == [0, 1]
     assert lines[1]["prompt"] == [{"role": "user", "content": "question 1"}]
     assert [s["completion"] for s in lines[1]["samples"]] == ["answer 0", "answer 1"]
     assert lines[1]["samples"][0]["rewards"] == {"accuracy": None, "brevity": 0.6}

@@ -68,14 +68,13 @@ def batch(rewards: tuple[float, float, float, float]) -> list[Group]:
     return [
         Group(
             0,
-            0,
             {},
             [
                 rollout([1, 2, 3], [10, 11, 12, 13], a),
                 rollout([1, 2, 3], [14, 15, 16, 17, 18], b, mask=[1, 1, 0, 1, 1]),
             ],
         ),
-        Group(1, 1, {}, [rollout([7, 8], [20, 21, 22], c), rollout([7, 8], [23, 24] * 3, d)]),
+        Group(1, {}, [rollout([7, 8], [20, 21, 22], c), rollout([7, 8], [23, 24] * 3, d)]),
     ]
 
 

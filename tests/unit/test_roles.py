@@ -123,7 +123,7 @@ class FakeBuilder:
         self.built = 0
         self.advantage = AdvantageConfig()
 
-    async def build(self, group_id: int, position: int, row: dict) -> Group:
+    async def build(self, group_id: int, row: dict) -> Group:
         start = self.engine.version
         await asyncio.sleep(self.delay_s)  # "generation": a sync may land meanwhile
         end = self.engine.version
@@ -141,7 +141,7 @@ class FakeBuilder:
         ]
         self.generated_tokens += sum(len(r.completion_ids) for r in rollouts)
         self.built += 1
-        group = Group(group_id, position, row, rollouts)
+        group = Group(group_id, row, rollouts)
         group.zero_variance = is_zero_variance(rollouts, self.advantage)
         return group
 
@@ -269,7 +269,7 @@ def test_run_loop_with_fake_roles_trains_max_steps_within_bounds(
     for version, groups in trainer.steps:
         for g in groups:
             assert 0 <= version - g.min_version <= cfg.coordinator.max_staleness
-    positions = [g.data_index for _, groups in trainer.steps for g in groups]
+    positions = [g.group_id for _, groups in trainer.steps for g in groups]
     assert len(positions) == len(set(positions))
 
     # where every admitted group went
@@ -309,8 +309,8 @@ class ScriptedBuilder:
         self._build = build
         self.generated_tokens = 0
 
-    async def build(self, group_id: int, position: int, row: dict) -> Group:
-        return await self._build(group_id, position, row)
+    async def build(self, group_id: int, row: dict) -> Group:
+        return await self._build(group_id, row)
 
     async def evaluate(self, rows: list[dict]) -> dict[str, Any]:
         return {}
@@ -319,11 +319,11 @@ class ScriptedBuilder:
         return {}
 
 
-def group_with_rewards(group_id: int, position: int, row: dict, rewards: list[float]) -> Group:
+def group_with_rewards(group_id: int, row: dict, rewards: list[float]) -> Group:
     rollouts = [
         Rollout([1], [2, 3], [-0.1, -0.2], [0, 0], "stop", "x", rewards=[r]) for r in rewards
     ]
-    group = Group(group_id, position, row, rollouts)
+    group = Group(group_id, row, rollouts)
     group.zero_variance = is_zero_variance(rollouts, AdvantageConfig())
     return group
 
@@ -366,7 +366,7 @@ def assert_dropped(orchestrator: Orchestrator, position: int, reason: str) -> No
 
 
 def test_group_dropped_by_the_builder_is_counted_under_its_reason():
-    async def build(group_id, position, row):
+    async def build(group_id, row):
         raise GroupDropped("prompt_too_long", "prompt of 300 tokens", log=False)
 
     async def scenario():
@@ -381,7 +381,7 @@ def test_group_dropped_by_the_builder_is_counted_under_its_reason():
 def test_reward_failure_under_abort_policy_stops_the_run():
     failure = RewardFailure("reward function raised")
 
-    async def build(group_id, position, row):
+    async def build(group_id, row):
         raise failure
 
     async def scenario():
@@ -394,7 +394,7 @@ def test_reward_failure_under_abort_policy_stops_the_run():
 
 
 def test_reward_failure_under_drop_policy_only_drops_the_group():
-    async def build(group_id, position, row):
+    async def build(group_id, row):
         raise RewardFailure("reward function raised")
 
     async def scenario():
@@ -410,7 +410,7 @@ def test_reward_failure_under_drop_policy_only_drops_the_group():
 def test_reward_timeout_is_counted_under_its_own_reason(policy):
     timeout = RewardTimeout("reward function 'judge' did not return within 60 s")
 
-    async def build(group_id, position, row):
+    async def build(group_id, row):
         raise timeout
 
     async def scenario():
@@ -423,7 +423,7 @@ def test_reward_timeout_is_counted_under_its_own_reason(policy):
 
 
 def test_unexpected_builder_error_is_counted_as_generation_error():
-    async def build(group_id, position, row):
+    async def build(group_id, row):
         raise ConnectionError("engine went away")
 
     async def scenario():
@@ -436,8 +436,8 @@ def test_unexpected_builder_error_is_counted_as_generation_error():
 
 
 def test_zero_variance_group_is_dropped_when_filtering():
-    async def build(group_id, position, row):
-        return group_with_rewards(group_id, position, row, [1.0, 1.0])
+    async def build(group_id, row):
+        return group_with_rewards(group_id, row, [1.0, 1.0])
 
     async def scenario():
         orch = make_orchestrator(build, filter_zero_variance=True)
@@ -448,8 +448,8 @@ def test_zero_variance_group_is_dropped_when_filtering():
 
 
 def test_zero_variance_group_is_queued_when_not_filtering():
-    async def build(group_id, position, row):
-        return group_with_rewards(group_id, position, row, [1.0, 1.0])
+    async def build(group_id, row):
+        return group_with_rewards(group_id, row, [1.0, 1.0])
 
     async def scenario():
         orch = make_orchestrator(build, filter_zero_variance=False)
@@ -460,7 +460,7 @@ def test_zero_variance_group_is_queued_when_not_filtering():
         assert position in orch.prompts.pending  # pending until the trainer consumes it
         assert not buffer.wait_admit(0)  # its quota is held by the queued group
         (group,) = buffer.get_batch(trainer_version=0, timeout=1)
-        assert group.zero_variance and group.data_index == position
+        assert group.zero_variance and group.group_id == position
         assert closes(buffer)
 
     asyncio.run(scenario())
@@ -470,7 +470,7 @@ def test_group_cancelled_at_shutdown_stays_counted_in_flight():
     async def scenario():
         running = asyncio.Event()
 
-        async def build(group_id, position, row):
+        async def build(group_id, row):
             running.set()
             await asyncio.sleep(60)
 
@@ -541,7 +541,7 @@ def test_single_turn_resumes_aborted_samples_from_their_own_tokens():
     sampling = SamplingSettings(n=2, max_tokens=6, temperature=0.7, top_p=0.9)
     builder = SingleTurnBuilder(client, FakeTokenizer(), rewards, sampling, AdvantageConfig())
     row = {"prompt": "ab", "answer": "x"}
-    group = asyncio.run(builder.build(group_id=3, position=7, row=row))
+    group = asyncio.run(builder.build(group_id=3, row=row))
     prompt = [100 + ord("a"), 100 + ord("b")]
 
     first, *continuations = client.calls
@@ -560,7 +560,7 @@ def test_single_turn_resumes_aborted_samples_from_their_own_tokens():
         assert call["max_tokens"] == 6 - 2  # reduced by the tokens already generated
         assert (call["temperature"], call["top_p"]) == (0.7, 0.9)
 
-    assert (group.group_id, group.data_index, group.row) == (3, 7, row)
+    assert (group.group_id, group.row) == (3, row)
     for i, rollout in enumerate(group.rollouts):
         partial = [10 * (i + 1), 10 * (i + 1) + 1]
         rest = [partial[-1] + 1, partial[-1] + 2, partial[-1] + 3]
@@ -715,8 +715,8 @@ def test_watchdog_names_what_a_stalled_run_waits_for(tmp_path, caplog, stall):
     rewards = RewardRunner([stuck_reward(release)], timeout_s=60)
 
     class Builder(FakeBuilder):
-        async def build(self, group_id, position, row):
-            group = await super().build(group_id, position, row)
+        async def build(self, group_id, row):
+            group = await super().build(group_id, row)
             if stall == "engine":
                 await asyncio.Event().wait()  # generation never answers
             texts = [r.text for r in group.rollouts]

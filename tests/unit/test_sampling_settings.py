@@ -90,6 +90,6 @@ def test_the_builder_sends_the_recipes_settings_as_the_request_fields():
     cfg = build_config({"seed": 9, "rollout": {"num_generations": 3, "temperature": 0.8}})
     client = RecordingClient()
     builder = _builder(cfg, client, Tokenizer(), Rewards(), None)
-    asyncio.run(builder.build(4, 0, {"prompt": "ab"}))
+    asyncio.run(builder.build(4, {"prompt": "ab"}))
     assert client.calls == [cfg.rollout.sampling(cfg.seed).request_fields(4)]
     assert client.calls[0]["temperature"] == 0.8 and client.calls[0]["seed"] == 9 * 7919 + 4

@@ -72,7 +72,7 @@ def test_a_step_reports_staleness_against_the_version_it_began_at():
         max_steps=10,
     )
     trainer.version = 5
-    metrics = trainer.step([Group(0, 0, {}, split_batch())])
+    metrics = trainer.step([Group(0, {}, split_batch())])
     assert trainer.version == 6
     assert metrics["token_staleness_mean"] == pytest.approx(6 / 5)
     assert metrics["token_staleness_max"] == 2

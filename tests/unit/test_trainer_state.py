@@ -63,8 +63,8 @@ def test_the_step_a_reward_sees_advances_with_training(tmp_path):
     rewards = RewardRunner([progress_reward])
 
     class ScoringBuilder(FakeBuilder):
-        async def build(self, group_id, position, row):
-            group = await super().build(group_id, position, row)
+        async def build(self, group_id, row):
+            group = await super().build(group_id, row)
             texts = [r.text for r in group.rollouts]
             await rewards.score_group(row, texts, [r.completion_ids for r in group.rollouts])
             return group

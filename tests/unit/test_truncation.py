@@ -29,7 +29,7 @@ def group(truncated_ids: list[int]) -> Group:
     n = len(truncated_ids)
     b = Rollout([1, 2], truncated_ids, [-0.7] * n, [0] * n, "length", "b", rewards=[0.0])
     c = Rollout([1, 2], [9], [-0.9], [0], "stop", "c", rewards=[0.0])
-    return Group(0, 0, {}, [a, b, c])
+    return Group(0, {}, [a, b, c])
 
 
 def trainer(mask: bool, aggregation: str = "dapo") -> PolicyTrainer:
@@ -137,7 +137,7 @@ def builder(max_prompt_length: int | None) -> tuple[SingleTurnBuilder, Recording
 @pytest.mark.parametrize(("limit", "kept"), [(4, "cdef"), (6, "abcdef"), (None, "abcdef")])
 def test_max_prompt_length_keeps_the_end_of_the_prompt(limit, kept):
     b, client = builder(limit)
-    g = asyncio.run(b.build(0, 0, {"prompt": "abcdef"}))
+    g = asyncio.run(b.build(0, {"prompt": "abcdef"}))
     expected = [100 + ord(c) for c in kept]
     assert client.prompts == [expected]  # what the engine was asked
     assert all(r.prompt_ids == expected for r in g.rollouts)  # what the trainer trains on

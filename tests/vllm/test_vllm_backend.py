@@ -265,7 +265,7 @@ def test_a_split_completion_reaches_the_trainers_batch_with_its_versions(smollm2
         RunToMaxTokens(backend.client), tokenizer, IndexRewards(), sampling, AdvantageConfig()
     )
     row = {"prompt": "Count from one to a thousand."}
-    start, group, body = sync_while_generating(backend, model_dir, loop, builder.build(0, 0, row))
+    start, group, body = sync_while_generating(backend, model_dir, loop, builder.build(0, row))
     boundaries = [c["weight_versions"][0]["end"] for c in body["choices"]]
     assert len(group.rollouts) == 2 and all(0 < b < LONG for b in boundaries), boundaries
     trainer = PolicyTrainer(

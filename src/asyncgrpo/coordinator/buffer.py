@@ -26,10 +26,10 @@ from asyncgrpo.coordinator.staleness import is_too_stale, may_admit, staleness
 
 class VersionedGroup(Protocol):
     """What the buffer needs to know about a group: the version of its oldest token and
-    its prompt position (released when the group ends)."""
+    its id, its prompt's position (released when the group ends)."""
 
     min_version: int
-    data_index: int
+    group_id: int
 
 
 class BufferClosed(Exception):
@@ -98,12 +98,12 @@ class RolloutBuffer:
             self._queue.append(group)
             self._cond.notify_all()
 
-    def discard(self, reason: str, position: int | None = None) -> None:
+    def discard(self, reason: str, group_id: int | None = None) -> None:
         """A group admitted earlier will never arrive (filtered, failed, ...): count it under
-        `reason`, release its quota and its prompt `position`."""
+        `reason`, release its quota and its prompt (`group_id`, the prompt's position)."""
         with self._cond:
             self.in_flight -= 1
-            self.ledger.drop(reason, position)
+            self.ledger.drop(reason, group_id)
             self._cond.notify_all()
 
     def set_engine_version(self, version: int) -> None:
@@ -135,7 +135,7 @@ class RolloutBuffer:
                     )
                 self._cond.wait(remaining)
             batch = [self._queue.popleft() for _ in range(self.batch_groups)]
-            self.ledger.consume(g.data_index for g in batch)
+            self.ledger.consume(g.group_id for g in batch)
             self.staleness_seen.extend(staleness(trainer_version, g.min_version) for g in batch)
             self._cond.notify_all()
             return batch
@@ -144,7 +144,7 @@ class RolloutBuffer:
         fresh = deque()
         for group in self._queue:
             if is_too_stale(trainer_version, group.min_version, self.max_staleness):
-                self.ledger.drop(STALE, group.data_index)  # a stale prompt is not retried
+                self.ledger.drop(STALE, group.group_id)  # a stale prompt is not retried
             else:
                 fresh.append(group)
         if len(fresh) != len(self._queue):

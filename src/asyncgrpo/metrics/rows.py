@@ -133,7 +133,6 @@ def sample_of(
     rollouts = group.rollouts if limit is None else group.rollouts[:limit]
     return {
         "group_id": group.group_id,
-        "data_index": group.data_index,
         "min_version": group.min_version,
         "prompt": group.row.get("prompt"),
         "samples": [

@@ -9,7 +9,7 @@ Files written under `runs/<name>/` (all JSON Lines, appended and flushed per lin
     staleness — the histogram field), `dropped_stale`, `queue_size`, the overlap
     ratios, throughputs, loss statistics, `reward/<function>` means, ...
   - `"kind": "eval"`: held-out evaluation, `{"step", "time_s", "eval_reward_mean", ...}`.
-- `samples.jsonl` — one line per consumed group: `{"step", "group_id", "data_index",
+- `samples.jsonl` — one line per consumed group: `{"step", "group_id" (its prompt-stream position),
   "min_version", "prompt", "samples": [{"completion", "reward", "rewards", ...}]}`
   (see `rows.py`).
 - `timeline.jsonl` — role busy intervals (see `timeline.py`).

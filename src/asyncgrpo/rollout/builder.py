@@ -31,9 +31,9 @@ class GroupBuilder(Protocol):
     generated_tokens: int
     """Tokens sampled so far (those that carry loss), for the throughput metric."""
 
-    async def build(self, group_id: int, position: int, row: dict) -> Group:
-        """The scored group of `row` (`group_id` unique in the run, `position` its place in
-        the data order), or raise `GroupDropped` / `RewardFailure` with the reason."""
+    async def build(self, group_id: int, row: dict) -> Group:
+        """The scored group of `row` (`group_id`: see `Group.group_id`), or raise
+        `GroupDropped` / `RewardFailure` with the reason."""
         ...
 
     async def evaluate(self, rows: list[dict]) -> dict[str, Any]:

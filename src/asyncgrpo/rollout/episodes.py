@@ -181,7 +181,7 @@ class EpisodeGroupBuilder:
     def take_stats(self) -> dict[str, Any]:
         return self.stats.take()
 
-    async def build(self, group_id: int, position: int, row: dict) -> Group:
+    async def build(self, group_id: int, row: dict) -> Group:
         """The group of `row`, or `GroupDropped` (infra_error, degenerate)."""
         running = [
             asyncio.ensure_future(self.episode(row)) for _ in range(self.settings.num_generations)
@@ -200,7 +200,7 @@ class EpisodeGroupBuilder:
         await self.grade(row, trainable, self.stats)
         rollouts = [r for o in trainable for r in self.rollouts_of(o)]
         self.generated_tokens += sum(r.num_sampled for r in rollouts)
-        group = Group(group_id, position, row, rollouts)
+        group = Group(group_id, row, rollouts)
         group.zero_variance = is_zero_variance(rollouts, self.advantage)
         return group
 

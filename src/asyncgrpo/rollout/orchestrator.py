@@ -196,8 +196,7 @@ class Orchestrator:
         Its id is its prompt-stream position: unique over the whole run, resumed sessions
         included, and a row that a resume serves again keeps the id (so the sampling seed)
         of its untrained first dispatch, as an uninterrupted run would sample it."""
-        group_id = position
-        task = asyncio.create_task(self._run_group(group_id, position, row))
+        task = asyncio.create_task(self._run_group(position, row))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -207,27 +206,27 @@ class Orchestrator:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _run_group(self, group_id: int, position: int, row: dict) -> None:
+    async def _run_group(self, group_id: int, row: dict) -> None:
         self._building[group_id] = time.monotonic()
         try:
-            await self._build_and_hand_over(group_id, position, row)
+            await self._build_and_hand_over(group_id, row)
         finally:
             self._building.pop(group_id, None)
 
-    async def _build_and_hand_over(self, group_id: int, position: int, row: dict) -> None:
+    async def _build_and_hand_over(self, group_id: int, row: dict) -> None:
         outcome, error, group = "generation_error", "", None
         try:
             if self._limit:
                 async with self._limit:
-                    group = await self.builder.build(group_id, position, row)
+                    group = await self.builder.build(group_id, row)
             else:
-                group = await self.builder.build(group_id, position, row)
+                group = await self.builder.build(group_id, row)
             if group.zero_variance and self.filter_zero_variance:
                 outcome = "zero_variance"
             else:
                 self.buffer.put(group)
                 self.streak.progress()
-                return  # the position stays pending until the trainer consumes it
+                return  # the prompt stays pending until the trainer consumes the group
         except asyncio.CancelledError:
             raise  # shutting down: the group stays counted in flight
         except GroupDropped as exc:
@@ -242,7 +241,7 @@ class Orchestrator:
         except Exception as exc:  # engine errors and bugs: counted and logged, never silent
             error = f"{type(exc).__name__}: {exc}"
             self._log_first(outcome, exc)
-        self.buffer.discard(outcome, position)  # the ledger counts it and releases the prompt
+        self.buffer.discard(outcome, group_id)  # the ledger counts it and releases the prompt
         self._count_drop(outcome, error, group)
 
     def _count_drop(self, outcome: str, error: str, group: Group | None) -> None:

@@ -56,7 +56,7 @@ class SingleTurnBuilder:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    async def build(self, group_id: int, position: int, row: dict) -> Group:
+    async def build(self, group_id: int, row: dict) -> Group:
         if "prompt" not in row:
             raise GroupDropped(
                 "missing_prompt",
@@ -64,7 +64,7 @@ class SingleTurnBuilder:
             )
         rollouts = await self._sample(self.render(row["prompt"]), self.sampling, group_id)
         self.generated_tokens += sum(len(r.completion_ids) for r in rollouts)
-        group = Group(group_id, position, row, rollouts)
+        group = Group(group_id, row, rollouts)
         await self.score(row, rollouts)
         self._require_rewards(rollouts)
         group.zero_variance = is_zero_variance(rollouts, self.advantage)

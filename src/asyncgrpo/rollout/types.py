@@ -48,8 +48,9 @@ class Rollout:
 class Group:
     """The `num_generations` rollouts of one prompt, the unit of admission and staleness."""
 
-    group_id: int  # unique for the whole run, across epochs
-    data_index: int  # position of the prompt row in the run's data order
+    # its prompt-stream position: unique over the run (epochs and resumed sessions alike),
+    # the prompt the buffer releases when the group ends, and the seed of its sampling
+    group_id: int
     row: dict[str, Any]
     rollouts: list[Rollout]
     zero_variance: bool = False
