@@ -128,6 +128,7 @@ def test_cli_reports_input_mistakes_without_a_traceback(tmp_path, tiny_model_dir
     assert "engine" not in output.lower()  # it never started one
 
 
+@pytest.mark.heavy  # a second API training run (the model-object one stays in make test)
 def test_string_path_dataset_trains(tmp_path, tiny_model_dir):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))

@@ -200,6 +200,7 @@ def local_port(response: httpx.Response) -> int:
     return response.extensions["network_stream"].get_extra_info("client_addr")[1]
 
 
+@pytest.mark.heavy  # waits out the server's idle timeout
 def test_keep_alive_clients_reconnect_after_the_server_closes_an_idle_connection(engine):
     async def scenario():
         # a pool that would keep the connection for 60 s: the server closes it first
