@@ -202,7 +202,9 @@ def test_a_request_keeps_its_adapter_and_version_across_a_sync(lora_smollm2, loo
     kept = merged_model(model_dir, first)
     for sample in samples:
         logp = logprobs_of(kept, PROMPT, sample.token_ids)
-        assert distance(logp, sample.token_ids, sample.logprobs) < 0.3
+        # vLLM's bf16 against this fp32 reference, worst token of LONG: 0.369 on an
+        # AVX512-BF16 EPYC (below 0.3 on an AMX Xeon), the other adapter's above 1.0 below
+        assert distance(logp, sample.token_ids, sample.logprobs) < 0.5
     late = slice(LONG // 2, LONG)
     tokens, logprobs = samples[0].token_ids, samples[0].logprobs
     switched = merged_logprobs(model_dir, second, PROMPT, tokens)
