@@ -91,7 +91,7 @@ def continuous_training(r: RunContext, stop: threading.Event) -> None:
     """Consumer: batches -> optimizer steps; weights back to the engine as they change."""
     cfg = r.cfg
     progress = ProgressDisplay(cfg.max_steps, start_step=r.step, max_time_s=cfg.max_time_s)
-    # out of time before this session's first step, `next_batch` raises, saying why
+    # out of time before this session's first step, `batches.next` raises, saying why
     while r.step < cfg.max_steps and not stop.is_set() and not r.clock.time_up(r.step):
         groups = r.batches.next(stop, r.step)  # fresh groups only: too-stale ones are dropped
         if groups is None:
