@@ -194,3 +194,33 @@ def test_a_full_sync_replaces_the_base_the_next_adapter_merges_onto(
         expected = logprobs_reference(reference, prompt, sampled.token_ids)
         err = max(abs(a - b) for a, b in zip(expected, sampled.logprobs, strict=True))
         assert err < 1e-4, (version, err)
+
+
+def test_an_adapter_on_a_tied_head_unties_it_and_leaves_the_embedding_alone(
+    engine, loop, prompt, tiny_model_dir
+):
+    """Tinker trains the unembedding by default, and the tiny model (like SmolLM2) ties it
+    to the input embedding: the engine gives the head its own copy, so the adapter changes
+    the output layer only. Reference: a transformers copy untied by hand, W_head + B @ A."""
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    hidden, vocab = reference.config.hidden_size, reference.config.vocab_size
+    torch.manual_seed(6)
+    a, b = torch.randn(RANK, hidden) * 0.3, torch.randn(vocab, RANK) * 0.3
+    head = "base_model.model.lm_head"
+    adapter = published(lora_model(tiny_model_dir, 6)) + [
+        (f"{head}.lora_A.weight", a),
+        (f"{head}.lora_B.weight", b),
+    ]
+    merged = lora_model(tiny_model_dir, 6).merge_and_unload()  # attention adapters only
+    with torch.no_grad():
+        merged.lm_head.weight = torch.nn.Parameter(merged.lm_head.weight + b @ a)
+    assert merged.lm_head.weight.data_ptr() != merged.model.embed_tokens.weight.data_ptr()
+    version = loop.run(engine.client.server_info())["weight_version"] + 1
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    loop.run(engine.sync_weights(list(base.state_dict().items()), version, "keep"))  # the base
+    loop.run(engine.sync_weights(adapter, version + 1, "keep"))
+    greedy, sampled = loop.run(greedy_and_sampled(engine, prompt, 6))
+    assert greedy.token_ids == greedy_reference(merged, prompt)
+    expected = logprobs_reference(merged, prompt, sampled.token_ids)
+    err = max(abs(x - y) for x, y in zip(expected, sampled.logprobs, strict=True))
+    assert err < 1e-4, err

@@ -55,6 +55,7 @@ from asyncgrpo.engine.scheduler import Scheduler
 from asyncgrpo.engine.types import PauseMode, RequestError, SamplingParams, TokenDelta
 
 logger = logging.getLogger(__name__)
+HEAD = "lm_head.weight"  # an adapter on a head tied to the embedding unties them
 
 
 class _EngineThread:
@@ -285,16 +286,21 @@ class Engine(_EngineThread):
         engine is not paused). Everything is checked before anything is written.
         """
         staged = list(named_tensors)
+        untie = False
         try:
             pairs = adapter_pairs(staged) if is_adapter_update(n for n, _ in staged) else None
             if pairs is not None:
-                check_against(pairs, self._params, tied_names(self._params))
+                tied = tied_names(self._params)
+                untie = HEAD in tied and any(p.base_name == HEAD for p in pairs)
+                check_against(pairs, self._params, tied - {HEAD})
         except AdapterError as exc:
             raise RequestError(str(exc)) from None
         if pairs is None:
             check_update(self._params, staged)
 
         def write():
+            if untie:
+                self._untie_head()
             if pairs is None:
                 self._adapters.forget(name for name, _ in staged)
             writes = staged if pairs is None else self._adapters.merged(pairs)
@@ -308,6 +314,15 @@ class Engine(_EngineThread):
             self.scheduler.weights_changed(version)
 
         await self._run_on_engine(write)
+
+    def _untie_head(self) -> None:
+        """Give a tied LM head its own copy of the embedding, so an adapter on the head
+        (Tinker's `train_unembed`) changes the output layer and leaves the input alone."""
+        head = self.model.lm_head
+        separate = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        head.weight = separate
+        self._params[HEAD] = separate
+        self.runner.untie_head(separate)
 
     def set_weight_version(self, version: int) -> None:
         self.weight_version = int(version)

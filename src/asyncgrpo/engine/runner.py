@@ -176,6 +176,10 @@ class ModelRunner:
         ]
         return fused + [self.lm_head]
 
+    def untie_head(self, weight: torch.Tensor) -> None:
+        """The LM head reads `weight` from now on, no longer the input embedding's storage."""
+        self.lm_head = _Linear(weight, None, self.lm_head.use_onednn)
+
     def weights_changed(self, tensors: list[torch.Tensor] | None = None) -> None:
         """The model's weights were updated in place: repack before the next forward.
 
