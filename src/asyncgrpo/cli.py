@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="redraw a run's PNG plots, or compare runs (see `asyncgrpo plot --help`)",
         add_help=False,
     )
+    commands.add_parser(
+        "tinker-serve",
+        help="serve the Tinker training API for LoRA models (see `asyncgrpo tinker-serve --help`)",
+        add_help=False,
+    )
     add_serve_parser(commands)
     add_export_parser(commands)
     return parser
@@ -293,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         from asyncgrpo.metrics import plot_main
 
         return plot_main(argv[1:])
+    if argv[:1] == ["tinker-serve"]:  # and `tinker-serve` (its own server)
+        from asyncgrpo.tinker.serve import main as tinker_main
+
+        return tinker_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return export(args) if args.command == "export" else serve(args)

@@ -1,0 +1,131 @@
+"""The Tinker API's futures: every operation answers with a request id at once, its result
+is fetched later by long-polling, and a model's operations run in `seq_id` order.
+
+Why long-polling: the SDK polls `retrieve_future` with no pause between calls and a 45 s
+client timeout, so the server holds each poll until the result is ready or about 30 s have
+passed, then answers "try again". Why ordering on the server: the SDK submits a large
+`forward_backward` as chunks sent concurrently (the first chunk last) and lets the user
+queue `optim_step` behind it without waiting, so arrival order says nothing; `seq_id` does.
+Why deduplication: the SDK resubmits on 5xx, 408, 409 and 429, so the same
+`(model_id, seq_id)` may arrive twice and must map to the one operation already queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncgrpo.tinker.errors import TinkerUserError, as_error_body
+
+logger = logging.getLogger(__name__)
+
+LONG_POLL_S = 30.0  # under the SDK's 45 s timeout on retrieve_future
+KEEP_FINISHED = 4096  # finished results kept for late or repeated polls
+
+
+@dataclass
+class Outcome:
+    """A finished operation: a JSON result, protobuf bytes, or an error body."""
+
+    json: dict[str, Any] | None = None
+    proto: bytes | None = None
+    error: dict[str, str] | None = None
+
+
+@dataclass
+class _Entry:
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    outcome: Outcome | None = None
+    finished_at: float = 0.0
+
+
+class FutureTable:
+    """Request ids → outcomes; submissions with a key seen before get the same request id."""
+
+    def __init__(self, keep_finished: int = KEEP_FINISHED):
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._by_key: dict[tuple, str] = {}
+        self._ids = itertools.count(1)
+        self._keep = keep_finished
+        self._tasks: set[asyncio.Task] = set()
+
+    def submit(self, key: tuple | None, work: Callable[[], Awaitable[Outcome]]) -> str:
+        """Start `work` (unless `key` was submitted before) and return its request id."""
+        if key is not None and key in self._by_key:
+            return self._by_key[key]
+        request_id = f"req-{next(self._ids)}"
+        entry = self._entries[request_id] = _Entry()
+        if key is not None:
+            self._by_key[key] = request_id
+        task = asyncio.get_running_loop().create_task(self._run(entry, work))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return request_id
+
+    async def _run(self, entry: _Entry, work: Callable[[], Awaitable[Outcome]]) -> None:
+        try:
+            entry.outcome = await work()
+        except Exception as exc:  # a user error, a bug or an engine failure: serve on
+            if not isinstance(exc, TinkerUserError):
+                logger.exception("tinker operation failed")
+            entry.outcome = Outcome(error=as_error_body(exc))
+        entry.finished_at = time.monotonic()
+        entry.done.set()
+        self._forget_old()
+
+    async def retrieve(self, request_id: str, wait_s: float = LONG_POLL_S) -> Outcome | None:
+        """The outcome, waiting up to `wait_s` for it; None while it is still running.
+
+        An unknown id raises `KeyError`."""
+        entry = self._entries[request_id]
+        if not entry.done.is_set():
+            try:
+                await asyncio.wait_for(entry.done.wait(), wait_s)
+            except TimeoutError:
+                return None
+        return entry.outcome
+
+    def _forget_old(self) -> None:
+        finished = [rid for rid, e in self._entries.items() if e.done.is_set()]
+        for request_id in finished[: max(0, len(finished) - self._keep)]:
+            del self._entries[request_id]
+        if len(self._by_key) > 4 * self._keep:
+            live = set(self._entries)
+            self._by_key = {k: rid for k, rid in self._by_key.items() if rid in live}
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class SeqOrder:
+    """Runs one model's operations in `seq_id` order, one at a time.
+
+    An operation waits until every lower `seq_id` of its model has finished. Sequence
+    ids start at 1 per model (the SDK's counter); an operation without one runs at once.
+    """
+
+    def __init__(self, first: int = 1):
+        self._next = first
+        self._turn = asyncio.Condition()
+
+    async def run(self, seq_id: int | None, work: Callable[[], Awaitable[Any]]) -> Any:
+        if seq_id is None:
+            return await work()
+        async with self._turn:
+            if seq_id < self._next:
+                raise TinkerUserError("seq_id", f"seq_id {seq_id} was already used by this model")
+            await self._turn.wait_for(lambda: self._next == seq_id)
+        try:
+            return await work()
+        finally:
+            async with self._turn:
+                self._next = seq_id + 1
+                self._turn.notify_all()
