@@ -252,6 +252,18 @@ def test_a_bad_tensor_or_model_input_is_refused_naming_its_field(edit, field, wo
     assert words in refused(tampered(edit), field)
 
 
+def test_a_refusal_names_the_operation_so_its_future_can_fail_in_turn():
+    with pytest.raises(TinkerUserError) as caught:
+        decode_forward_backward(tampered(lambda d: set_shape(d, [4, 2])), LIMITS)
+    assert caught.value.request_key == ("sess:train:0", 5)
+    with pytest.raises(TinkerUserError) as caught:
+        decode_forward_backward(fb_body([rl_datum()], loss_fn=""), LIMITS)
+    assert caught.value.request_key == ("sess:train:0", 5)
+    with pytest.raises(TinkerUserError) as caught:
+        decode_forward_backward(b"\xff\xff", LIMITS)
+    assert caught.value.request_key is None
+
+
 def csr_edit(crow, col, values=(1.0,)):
     def edit(d):
         d.loss_fn_inputs["advantages"].CopyFrom(
@@ -644,6 +656,8 @@ def test_hand_written_json_is_refused_naming_its_field(edit, field):
     with pytest.raises(TinkerUserError) as caught:
         decode_sample_request(body, LIMITS)
     assert caught.value.field == field
+    if field not in ("sampling_session_id", "seq_id"):
+        assert caught.value.request_key == ("sess:sample:0", 2)
 
 
 def test_a_long_prompt_is_refused_before_its_ids_are_read(monkeypatch):

@@ -72,32 +72,40 @@ def decode_sample_request(body: Any, limits: TinkerLimits) -> SampleCall:
     """Decode the SDK's JSON `SampleRequest`, refusing what this server cannot serve."""
     if not isinstance(body, dict):
         raise TinkerUserError("", "the body must be a JSON object (a SampleRequest)")
-    if body.get("sampling_session_id") is None:
+    session = read_field(body, "sampling_session_id", str, default=None)
+    if session is None:
         raise TinkerUserError(
             "sampling_session_id",
             "is required: sample through a sampling session "
             "(create_sampling_client or save_weights_and_get_sampling_client)",
         )
-    for key, off, what in _UNSERVED:
-        if body.get(key) not in (None, off):
-            raise TinkerUserError(key, f"asks for {what}: not supported by this server")
     seq_id = read_field(body, "seq_id", int)
     if seq_id < 0:
         raise TinkerUserError("seq_id", f"must not be negative, got {seq_id}")
+    try:
+        return _decode_sample(body, session, seq_id, limits)
+    except TinkerUserError as exc:
+        exc.request_key = (session, seq_id)
+        raise
+
+
+def _decode_sample(body: dict, session: str, seq_id: int, limits: TinkerLimits) -> SampleCall:
+    for key, off, what in _UNSERVED:
+        if body.get(key) not in (None, off):
+            raise TinkerUserError(key, f"asks for {what}: not supported by this server")
     num_samples = read_field(body, "num_samples", int, default=1)
     if not 1 <= num_samples <= limits.max_num_samples:
         raise TinkerUserError(
             "num_samples", f"must be in [1, {limits.max_num_samples}], got {num_samples}"
         )
     prompt = _decode_prompt(body.get("prompt"), limits)
-    logprob_options = _decode_prompt_logprob_options(body, len(prompt), limits)
     return SampleCall(
-        sampling_session_id=read_field(body, "sampling_session_id", str),
+        sampling_session_id=session,
         seq_id=seq_id,
         num_samples=num_samples,
         prompt=prompt,
         **_decode_sampling_params(body.get(PARAMS), limits),
-        **logprob_options,
+        **_decode_prompt_logprob_options(body, len(prompt), limits),
     )
 
 
