@@ -288,10 +288,12 @@ def csr_edit(crow, col, values=(1.0,)):
         ([0, 1, 0, 1, 1], [0], "crow_indices"),  # falls back
         ([0, 1, 1, 1], [0], "crow_indices"),  # one row short
         ([0, 1, 1, 1, 2], [0, 0], "values"),  # two indices, one value
+        ([0, 2, 2, 2, 2], [0, 0], "col_indices"),  # row 0 listed twice
     ],
 )
 def test_sparse_indices_are_checked_before_any_write(crow, col, part):
-    assert refused(tampered(csr_edit(crow, col)), f"{ADV}.{part}")
+    values = [1.0] * max(len(col), 1) if part == "col_indices" else [1.0]
+    assert refused(tampered(csr_edit(crow, col, values)), f"{ADV}.{part}")
 
 
 def test_a_body_that_is_not_protobuf_is_a_user_error():

@@ -293,9 +293,11 @@ def _decode_csr(csr: Any, dtype: np.dtype, shape: list[int], where: str) -> np.n
         )
     if nnz and (col.min() < 0 or col.max() >= cols):
         raise TinkerUserError(f"{where}.col_indices", f"must lie in [0, {cols})")
+    cell = np.repeat(np.arange(rows), np.diff(crow)) * cols + col  # (nnz,) flat positions
+    if (np.diff(cell) <= 0).any():
+        raise TinkerUserError(f"{where}.col_indices", "must rise within each row (no repeats)")
     dense = np.zeros(rows * cols, dtype=dtype.newbyteorder("="))
-    row_of_value = np.repeat(np.arange(rows), np.diff(crow))
-    dense[row_of_value * cols + col] = np.frombuffer(csr.values, dtype=dtype)
+    dense[cell] = np.frombuffer(csr.values, dtype=dtype)
     return dense
 
 
