@@ -21,12 +21,16 @@ class TinkerUserError(ValueError):
     """A request the client got wrong: refused at once, the server keeps serving.
 
     `field` is the dotted path of the offending request field (`""` when the request as a
-    whole is at fault, e.g. a body too large); the message starts with it.
+    whole is at fault, e.g. a body too large); the message starts with it. `request_key` is
+    the request's `(model_id or sampling_session_id, seq_id)` when the decoder got that far,
+    so that the server can fail that operation's future (and let the model's later `seq_id`s
+    run) instead of refusing the submission, whose `seq_id` the client has already spent.
     """
 
     def __init__(self, field: str, problem: str):
         self.field = field
         self.problem = problem
+        self.request_key: tuple[str, int] | None = None
         super().__init__(f"{field}: {problem}" if field else problem)
 
 

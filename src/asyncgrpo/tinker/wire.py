@@ -31,8 +31,12 @@ while pending, or `{"error", "category"}` when failed):
 | healthz (GET) | — | `HealthResponse{status: "ok"}` |
 
 Answers are validated leniently (extra keys ignored) but typed: a `type` key, where sent,
-must be the route's literal. A pending result may also be HTTP 408, and a submission refused
-with HTTP 400 raises at once (only `retrieve_future` retries a bare 400).
+must be the route's literal. A protobuf result goes out with `Content-Type:
+application/x-protobuf` (the SDK asks with `Accept`; a JSON answer to it is an error). A
+pending result may also be HTTP 408. A submission refused with HTTP 400 raises in the client
+at once (only `retrieve_future` retries a bare 400) but leaves its `seq_id` spent, so a
+refusal that knows the operation (`TinkerUserError.request_key`) is better sent as that
+future's failure.
 """
 
 from __future__ import annotations
@@ -143,15 +147,20 @@ def decode_forward_backward(body: bytes, limits: TinkerLimits) -> ForwardBackwar
         raise TinkerUserError("model_id", "is empty")
     if msg.seq_id < 0:
         raise TinkerUserError("seq_id", f"must not be negative, got {msg.seq_id}")
-    if not msg.loss_fn:
-        raise TinkerUserError(LOSS_FN, "is empty")
-    _check_counts(msg.data, limits)
-    datums = [_decode_datum(datum, f"{DATA}[{i}]") for i, datum in enumerate(msg.data)]
+    try:
+        if not msg.loss_fn:
+            raise TinkerUserError(LOSS_FN, "is empty")
+        _check_counts(msg.data, limits)
+        datums = [_decode_datum(datum, f"{DATA}[{i}]") for i, datum in enumerate(msg.data)]
+        config = _loss_fn_config(msg)
+    except TinkerUserError as exc:
+        exc.request_key = (msg.model_id, msg.seq_id)
+        raise
     return ForwardBackwardCall(
         model_id=msg.model_id,
         seq_id=msg.seq_id,
         loss_fn=msg.loss_fn,
-        loss_fn_config=_loss_fn_config(msg),
+        loss_fn_config=config,
         forward_only=msg.forward_only,
         datums=datums,
     )
@@ -284,9 +293,11 @@ def _decode_csr(csr: Any, dtype: np.dtype, shape: list[int], where: str) -> np.n
         )
     if nnz and (col.min() < 0 or col.max() >= cols):
         raise TinkerUserError(f"{where}.col_indices", f"must lie in [0, {cols})")
+    cell = np.repeat(np.arange(rows), np.diff(crow)) * cols + col  # (nnz,) flat positions
+    if (np.diff(cell) <= 0).any():
+        raise TinkerUserError(f"{where}.col_indices", "must rise within each row (no repeats)")
     dense = np.zeros(rows * cols, dtype=dtype.newbyteorder("="))
-    row_of_value = np.repeat(np.arange(rows), np.diff(crow))
-    dense[row_of_value * cols + col] = np.frombuffer(csr.values, dtype=dtype)
+    dense[cell] = np.frombuffer(csr.values, dtype=dtype)
     return dense
 
 
