@@ -4,6 +4,8 @@ and SFT that learns, on a tiny Llama built in code."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -228,6 +230,35 @@ def test_remove_keeps_the_other_models_serving():
         assert np.array_equal(old, new)
 
 
+def test_concurrent_calls_on_two_models_equal_sequential_ones():
+    """The lock serialises operations on the shared base: two threads training two models
+    end where one thread running the same calls does."""
+    results = {}
+    for concurrent in (False, True):
+        models = make_models()
+        models.create("a", rank=4, seed=1)
+        models.create("b", rank=4, seed=2)
+
+        def train(model_id, seed, models=models):
+            for step in range(3):
+                models.forward_backward(model_id, batch(seed + step), "cross_entropy")
+                models.optim_step(model_id, ADAM)
+
+        if concurrent:
+            threads = [threading.Thread(target=train, args=a) for a in (("a", 0), ("b", 50))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        else:
+            train("a", 0)
+            train("b", 50)
+        results[concurrent] = [logprobs(models, m) for m in "ab"]
+    for sequential, concurrent in zip(results[False], results[True], strict=True):
+        for old, new in zip(sequential, concurrent, strict=True):
+            assert np.array_equal(old, new)
+
+
 @pytest.mark.parametrize(
     ("call", "field"),
     [
@@ -237,6 +268,7 @@ def test_remove_keeps_the_other_models_serving():
         (lambda m: m.forward("nope", batch(), "cross_entropy"), "model_id"),
         (lambda m: m.forward_backward("a", batch(), "stable_reinforce"), "loss_fn"),
         (lambda m: m.optim_step("nope", ADAM), "model_id"),
+        (lambda m: m.forward_backward("a", batch(), "ppo"), "data[0].loss_fn_inputs.logprobs"),
     ],
 )
 def test_user_mistakes_are_user_errors_naming_the_field(call, field):

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 LORA_ALPHA = 32
 MODEL_ID_FIELD = "model_id"
+DATA_FIELD = "forward_backward_input.data"
 TARGETS = {
     "train_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "train_mlp": ("gate_proj", "up_proj", "down_proj"),
@@ -163,7 +164,7 @@ class LoraModels:
     ) -> TinkerOutput:
         """Log-probs and the loss's metrics of `datums`, without gradients."""
         loss = make_loss(loss_fn, config)
-        train_datums = [train_datum(d, loss.inputs) for d in datums]
+        train_datums = train_datums_for(datums, loss)
         with self.lock:
             trainer = self._activate(model_id)
             logprobs = trainer.forward(train_datums)
@@ -182,7 +183,7 @@ class LoraModels:
         """Forward and backward of `loss_fn` over `datums`; gradients accumulate in this
         model's adapter until its `optim_step`."""
         loss = make_loss(loss_fn, config)
-        train_datums = [train_datum(d, loss.inputs) for d in datums]
+        train_datums = train_datums_for(datums, loss)
         metrics = MetricTotals()
         metrics.add_sum("loss", 0.0)
         with self.lock:
@@ -214,7 +215,7 @@ class LoraModels:
             factors = adapter_factors(self.peft_model, model.adapter)
             tensors = {name: t.detach().clone() for name, t in factors.items()}
             tensors.update(optimizer_tensors(model.trainer.optimizer, factors))
-            meta = {"steps": model.trainer.version, "with_optimizer": True}
+            meta = {"steps": model.trainer.version}
             return ModelState(asdict(model.spec), tensors, meta)
 
     def load_state(self, model_id: str, state: ModelState, with_optimizer: bool) -> None:
@@ -318,6 +319,17 @@ def effective_head(layer):
             a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight  # (r, H), (V, r)
             weight = weight.float() + (b @ a) * layer.scaling[adapter]
     return SimpleNamespace(weight=weight, bias=base.bias)
+
+
+def train_datums_for(datums: Sequence[TinkerDatum], loss: TinkerLoss) -> list[TrainDatum]:
+    """`train_datum` of each datum, refusing one without an input `loss` reads."""
+    for i, datum in enumerate(datums):
+        for name in ("target_tokens", *loss.inputs):
+            if name not in datum.inputs:
+                raise TinkerUserError(
+                    f"{DATA_FIELD}[{i}].loss_fn_inputs.{name}", f"loss_fn {loss.name!r} needs it"
+                )
+    return [train_datum(d, loss.inputs) for d in datums]
 
 
 def train_datum(datum: TinkerDatum, input_names: Sequence[str]) -> TrainDatum:
