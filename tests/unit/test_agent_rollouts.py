@@ -19,7 +19,7 @@ from asyncgrpo.rollout.episodes import (
 )
 from asyncgrpo.rollout.orchestrator import Orchestrator
 from asyncgrpo.rollout.types import Group, Rollout
-from asyncgrpo.trainer.policy_trainer import sampled_mask
+from asyncgrpo.trainer.grpo_loss import sampled_mask
 
 
 def two_turn_sample(base: int, version: int = 3) -> BranchSequence:

@@ -279,7 +279,7 @@ def test_a_split_completion_reaches_the_trainers_batch_with_its_versions(smollm2
     batch = trainer.prepare([group])  # what `PolicyTrainer.step` runs, step by step
     for rollout, b in zip(batch.rollouts, boundaries, strict=True):
         assert rollout.versions == [start] * b + [start + 1] * (LONG - b)
-    metrics = trainer.step_metrics(batch, trainer.accumulate(batch), trainer.update(), 1.0)
+    metrics = trainer.step_metrics(batch, trainer.accumulate(batch), trainer.optim_step(), 1.0)
     # ages: b tokens 2 steps behind and LONG - b one step behind, in each completion
     mean = sum(2 * b + (LONG - b) for b in boundaries) / (2 * LONG)
     assert metrics["token_staleness_mean"] == pytest.approx(mean)

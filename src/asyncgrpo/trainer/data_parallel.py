@@ -139,7 +139,7 @@ class DataParallelTrainer:
         number = self._post([{"op": "step", **batch.message(s)} for s in shares[1:]])
         own = batch.subset(shares[0])
         totals = self._collective(lambda: self.core.accumulate(own))
-        grad_norm = self._collective(self.core.update)
+        grad_norm = self._collective(self.core.optim_step)
         for reply in self._collective(lambda: self.channel.replies(number)):
             totals.merge(StepTotals.from_dict(reply))
         return self.core.step_metrics(batch, totals, grad_norm, time.perf_counter() - start)
@@ -244,7 +244,7 @@ def serve(core: PolicyTrainer, world: World, sharded: bool) -> None:
             return
         if op == "step":
             totals = core.accumulate(Prepared.from_message(message))
-            core.update()
+            core.optim_step()
             channel.reply(number, totals.as_dict())
         elif op == "load":
             core.load_checkpoint(Path(message["path"]))

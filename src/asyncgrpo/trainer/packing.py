@@ -116,10 +116,12 @@ def pack_sequences(
     share_prefix: bool = True,
     device: torch.device | str = "cpu",
     segment_masks: bool = True,
+    targets: Sequence[Sequence[int] | None] | None = None,
 ) -> PackedBatch:
     """Lay sequences out in one row (see the module docstring), its tensors on `device`;
     nothing is padded. `segment_masks`: build each shared-prompt segment's own mask (the
-    per-segment attention needs them; the dense `block_mask` does not)."""
+    per-segment attention needs them; the dense `block_mask` does not). `targets`: see
+    `packed_targets`."""
     ids: list[int] = []
     positions: list[int] = []
     segments: list[Segment] = []
@@ -153,7 +155,6 @@ def pack_sequences(
                 continue
             start = append(completion[:-1], p, prefix)
             rows[i] = [prompt_start + p - 1, *range(start, start + len(completion) - 1)]
-    targets = [t for seq, p in zip(seqs, prompt_lengths, strict=True) for t in seq[p:]]
     return PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
@@ -161,9 +162,39 @@ def pack_sequences(
         rows=torch.tensor(
             [r for seq_rows in rows for r in seq_rows], dtype=torch.long, device=device
         ),
-        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        targets=torch.tensor(
+            packed_targets(seqs, prompt_lengths, targets), dtype=torch.long, device=device
+        ),
         counts=[len(r) for r in rows],
     )
+
+
+def packed_targets(
+    seqs: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    targets: Sequence[Sequence[int] | None] | None = None,
+) -> list[int]:
+    """The token each completion position predicts, all sequences in order.
+
+    By default a sequence's own next tokens `seq[p:]`. `targets[i]`, when given and not
+    None, replaces them (one per completion position, `len(seq) - p`): the rows and the
+    prompt sharing stay those of the sequence, only the predicted token changes, so
+    `seq[-1]` is then never read. Tinker's datums predict arbitrary `target_tokens`.
+    """
+    if targets is not None and len(targets) != len(seqs):
+        raise ValueError(f"targets has {len(targets)} entries for {len(seqs)} sequences")
+    out: list[int] = []
+    for i, (seq, p) in enumerate(zip(seqs, prompt_lengths, strict=True)):
+        chosen = None if targets is None else targets[i]
+        if chosen is None:
+            out.extend(seq[p:])
+            continue
+        if len(chosen) != len(seq) - p:
+            raise ValueError(
+                f"targets[{i}] has {len(chosen)} tokens for {len(seq) - p} completion positions"
+            )
+        out.extend(chosen)
+    return out
 
 
 def packed_attention_forward(
@@ -258,18 +289,22 @@ def packed_token_logprobs(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     top_p: float = 1.0,
     runner=None,
+    targets: Sequence[Sequence[int] | None] | None = None,
 ) -> PackedLogProbs:
     """Per-sequence log-probs (and entropies) of the completion tokens, one packed forward.
 
     `runner`: what runs `run_packed`'s work (a sharded model's root module, `sharded.py`);
-    default: `run_packed` on `model`.
+    default: `run_packed` on `model`. `targets`: tokens to score in place of a sequence's
+    own next tokens (`packed_targets`); None scores the sequence itself.
 
     `attention="segments"` needs `enable_packed_attention(model)`; `"mask"` passes
     the dense block mask and works with any 4D-mask implementation (sdpa, eager).
     `top_p < 1`: under the sampler's nucleus, see `trainer/logprobs.py`.
     """
     device = next(model.parameters()).device
-    packed = pack_sequences(seqs, prompt_lengths, share_prefix, device, attention == "segments")
+    packed = pack_sequences(
+        seqs, prompt_lengths, share_prefix, device, attention == "segments", targets
+    )
     if packed.rows.numel() == 0:  # no completion tokens: nothing to forward
         empty = [torch.zeros(0, device=device) for _ in seqs]
         return PackedLogProbs(logprobs=empty, entropy=list(empty) if with_entropy else None)

@@ -1,4 +1,11 @@
-"""One optimizer step on a batch of scored groups: advantages, packed log-probs, loss.
+"""The trained policy, its optimizer and version, and the primitives every front door uses.
+
+`PolicyTrainer` offers the three verbs the Tinker API names, over token-level datums
+(`datums.py`): `forward` (log-probs, no gradient), `forward_backward` (a loss function
+per packed micro-batch; gradients accumulate across calls) and `optim_step` (the
+recipe's AdamW and schedule, or the client's `AdamParams`). `asyncgrpo train`'s `step`
+is their composition: `prepare` the scored groups, `forward_backward` the recipe's loss
+over their datums (`grpo_loss.py`), `optim_step`. So both front doors run the same code.
 
 The trainer never re-tokenises: each sequence is the engine's prompt ids plus
 its sampled ids, and only the sampled ids carry loss (an agent sample's tool results
@@ -24,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -36,13 +44,17 @@ from asyncgrpo.rollout.advantages import batch_advantages
 from asyncgrpo.rollout.types import Group, Rollout
 from asyncgrpo.trainer.batch import Prepared, StepTotals
 from asyncgrpo.trainer.checkpoint import TrainingState, load_checkpoint, save_checkpoint
-from asyncgrpo.trainer.losses import LossInputs, compute_loss
-from asyncgrpo.trainer.packing import (
-    enable_packed_attention,
-    packed_token_logprobs,
-    pad_ragged,
-    plan_micro_batches,
+from asyncgrpo.trainer.datums import (
+    AdamParams,
+    ForwardBackwardResult,
+    LossFn,
+    MicroBatch,
+    TrainDatum,
+    padded_inputs,
+    plan_datums,
 )
+from asyncgrpo.trainer.grpo_loss import PADDING, grpo_datums, grpo_loss
+from asyncgrpo.trainer.packing import enable_packed_attention, packed_token_logprobs, pad_ragged
 from asyncgrpo.trainer.reference import make_reference
 
 
@@ -74,6 +86,13 @@ def make_adamw(params: list[torch.nn.Parameter], **options) -> torch.optim.AdamW
         return torch.optim.AdamW(params, fused=True, **options)
     except (RuntimeError, TypeError):  # a dtype or device without a fused kernel
         return torch.optim.AdamW(params, **options)
+
+
+def gradient_norm(params: list[torch.nn.Parameter], clip_norm: float) -> torch.Tensor:
+    """The global norm of the gradients of `params`, clipped to `clip_norm` when > 0."""
+    if clip_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(params, clip_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 
 class PolicyTrainer:
@@ -127,12 +146,110 @@ class PolicyTrainer:
             self.optimizer, lr_lambda(self.trainer_cfg, self.max_steps)
         )
 
+    def autocast(self):
+        """The forwards' autocast: bf16 where the recipe asks for it, else nothing."""
+        if self.bf16_autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    @torch.no_grad()
+    def forward(self, datums: Sequence[TrainDatum]) -> list[torch.Tensor]:
+        """Per datum, the (num_targets,) fp32 log-probs of its targets: the packed
+        micro-batches of `forward_backward`, without gradients or any change of state."""
+        out = [torch.zeros(0, device=self.device) for _ in datums]
+        for micro in plan_datums(datums, self.trainer_cfg.micro_batch_tokens):
+            packed = self._packed_logprobs([datums[i] for i in micro], with_entropy=False)
+            for i, logprobs in zip(micro, packed.logprobs, strict=True):
+                out[i] = logprobs.float()
+        return out
+
+    def forward_backward(
+        self, datums: Sequence[TrainDatum], loss: LossFn, *, with_entropy: bool = False
+    ) -> ForwardBackwardResult:
+        """Forward and backward over `datums` in packed micro-batches of at most
+        `trainer.micro_batch_tokens` tokens (a group's datums together); the gradients
+        accumulate, across calls too, until `optim_step`.
+
+        `loss` takes one `MicroBatch` and returns its scalar loss and metrics; the trainer
+        backpropagates each and sums them. Normalising is the loss function's job: it
+        divides by the counts it was built with, those of the whole optimizer step (all
+        calls, all ranks), so that the micro-batches' gradients sum to the step's.
+        `with_entropy`: fill `MicroBatch.entropy` (a metric; it costs a little).
+        """
+        totals = StepTotals()
+        logprobs = [torch.zeros(0, device=self.device) for _ in datums]
+        plan = plan_datums(datums, self.trainer_cfg.micro_batch_tokens)
+        for micro in plan:
+            batch = self._micro_batch([datums[i] for i in micro], with_entropy)
+            value, metrics = loss(batch)
+            value.backward()
+            totals.add(value.item(), float(batch.mask.sum()), metrics)
+            rows = batch.logprobs.detach()  # (B, T)
+            for row, i in enumerate(micro):
+                logprobs[i] = rows[row, : datums[i].num_targets]
+        return ForwardBackwardResult(logprobs, totals, len(plan))
+
+    def _micro_batch(self, datums: list[TrainDatum], with_entropy: bool) -> MicroBatch:
+        """One packed forward (with grad) laid out for the loss: padded (B, T) tensors."""
+        packed = self._packed_logprobs(datums, with_entropy)
+        logprobs, mask = pad_ragged([lp.float() for lp in packed.logprobs])  # (B, T)
+        inputs = padded_inputs(datums, self.device)
+        if "mask" in inputs:
+            mask = mask * inputs["mask"]  # (B, T)
+        entropy = None
+        if with_entropy:
+            entropy, _ = pad_ragged([e.detach().float() for e in packed.entropy])  # (B, T)
+        return MicroBatch(datums, logprobs, mask, inputs, entropy)
+
+    def _packed_logprobs(self, datums: Sequence[TrainDatum], with_entropy: bool):
+        targets = [d.targets for d in datums]
+        with self.autocast():
+            return packed_token_logprobs(
+                self.model,
+                [d.tokens for d in datums],
+                prompt_lengths=[d.loss_start for d in datums],
+                temperature=self.temperature,
+                top_p=self.top_p,
+                with_entropy=with_entropy,
+                attention=self.attention,
+                runner=self.runner,
+                targets=targets if any(t is not None for t in targets) else None,
+            )
+
+    def optim_step(self, adam: AdamParams | None = None) -> float:
+        """One optimizer step on the accumulated gradients (first averaged over the
+        data-parallel ranks); the global gradient norm before clipping. Bumps `version`.
+
+        `adam=None`: the recipe's AdamW, learning-rate schedule and `max_grad_norm`. With
+        `AdamParams` (Tinker's `optim_step`): those numbers for this step, no schedule;
+        `grad_clip_norm` 0 clips nothing. A trainer is driven by one of the two.
+        """
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.gradient_sync is not None:
+            self.gradient_sync(params)
+        if adam is None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.trainer_cfg.max_grad_norm
+            )
+        else:
+            adam.apply(self.optimizer)
+            grad_norm = gradient_norm(params, adam.grad_clip_norm)
+        self.optimizer.step()
+        if adam is None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        if hasattr(grad_norm, "full_tensor"):  # a sharded model's norm is a DTensor
+            grad_norm = grad_norm.full_tensor()
+        return float(grad_norm)
+
     def step(self, groups: list[Group]) -> dict[str, float]:
-        """One optimizer step; returns its metrics. Bumps `version`."""
+        """`asyncgrpo train`'s optimizer step on a batch of scored groups: `prepare`, the
+        GRPO loss's `forward_backward` (`accumulate`), `optim_step`; its metrics."""
         start = time.perf_counter()
         batch = self.prepare(groups)
         totals = self.accumulate(batch)
-        grad_norm = self.update()
+        grad_norm = self.optim_step()
         return self.step_metrics(batch, totals, grad_norm, time.perf_counter() - start)
 
     def prepare(self, groups: list[Group]) -> Prepared:
@@ -164,45 +281,26 @@ class PolicyTrainer:
         )
 
     def accumulate(self, batch: Prepared) -> StepTotals:
-        """Forward and backward over `batch` in packed micro-batches; gradients accumulate."""
-        totals = StepTotals()
-        rollouts = batch.rollouts
-        sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
-        # a group's samples stay in one micro-batch, so their shared prompt is computed once
-        for micro in self.plan(batch):
-            totals.add(
-                *self._backward(
-                    [sequences[i] for i in micro],
-                    [rollouts[i] for i in micro],
-                    batch.advantages[micro],
-                    batch.counts,
-                )
-            )
+        """`forward_backward` of the recipe's loss over `batch` (`grpo_loss.py`); the
+        gradients accumulate."""
+        loss = grpo_loss(self, batch.counts)
+        result = self.forward_backward(grpo_datums(batch), loss, with_entropy=True)
+        totals = result.totals
         # sharded ranks all-gather in every forward: each runs the step's most micro-batches
-        for _ in range(batch.micro_batches - len(self.plan(batch))):
-            self._backward([[0, 0]], [PADDING], np.zeros(1), batch.counts)
+        for _ in range(batch.micro_batches - result.micro_batches):
+            totals.merge(self.forward_backward([PADDING], loss, with_entropy=True).totals)
         return totals
 
     def plan(self, batch: Prepared) -> list[list[int]]:
         """The micro-batches (rollout indices) of `batch` that have completion tokens."""
-        lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in batch.rollouts]
-        budget = self.trainer_cfg.micro_batch_tokens
-        plan = plan_micro_batches(lengths, budget, groups=batch.group_of)
-        plan = [[i for i in micro if batch.rollouts[i].completion_ids] for micro in plan]
-        return [micro for micro in plan if micro]
-
-    def update(self) -> float:
-        """Synchronise the gradients (data parallel), then take the optimizer step."""
-        if self.gradient_sync is not None:
-            self.gradient_sync([p for p in self.model.parameters() if p.requires_grad])
-        return self._optimizer_step()
+        return plan_datums(grpo_datums(batch), self.trainer_cfg.micro_batch_tokens)
 
     def step_metrics(
         self, batch: Prepared, totals: StepTotals, grad_norm: float, elapsed: float
     ) -> dict[str, float]:
         rollouts = batch.rollouts
         metrics = totals.means()
-        started_at = self.version - 1  # the version the step began at: update() bumped it
+        started_at = self.version - 1  # the version the step began at: optim_step() bumped it
         metrics.update(
             loss=totals.loss / self.dp_world_size,  # each rank's loss is scaled by the ranks
             grad_norm=grad_norm,
@@ -214,74 +312,6 @@ class PolicyTrainer:
             train_step_s=elapsed,
         )
         return metrics
-
-    def _backward(
-        self,
-        sequences: list[list[int]],
-        rollouts: list[Rollout],
-        advantages: np.ndarray,
-        counts: dict[str, float],
-    ) -> tuple[float, float, dict[str, float]]:
-        """Loss and backward of one packed micro-batch: (loss, loss tokens, loss metrics).
-
-        `counts` are the whole step's, so the micro-batches' gradients sum to the batch's.
-        """
-        device = self.device
-        autocast = (
-            torch.autocast(device.type, dtype=torch.bfloat16)
-            if self.bf16_autocast
-            else nullcontext()
-        )
-        prompt_lengths = [len(r.prompt_ids) for r in rollouts]
-        reference = None
-        with autocast:
-            if self.reference is not None:
-                ref = self.reference.logprobs(
-                    sequences, prompt_lengths, self.temperature, self.top_p, self.attention
-                )
-                reference, _ = pad_ragged(ref)  # (B, T), the policy's layout
-            out = packed_token_logprobs(
-                self.model,
-                sequences,
-                prompt_lengths=prompt_lengths,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                with_entropy=True,
-                attention=self.attention,
-                runner=self.runner,
-            )
-        logprobs, mask = pad_ragged([lp.float() for lp in out.logprobs])  # (B, T)
-        mask = mask * sampled_mask(rollouts, mask.shape[1]).to(device)  # (B, T)
-        engine, _ = pad_ragged([r.logprobs for r in rollouts])  # (B, T)
-        engine = engine.to(device)
-        entropy, _ = pad_ragged([e.detach().float() for e in out.entropy])
-        current = self.trainer_cfg.old_logprobs == "current"
-        inputs = LossInputs(
-            logprobs=logprobs,
-            engine_logprobs=engine,
-            advantages=torch.tensor(advantages, dtype=torch.float32, device=device),  # (B,)
-            mask=mask,
-            old_logprobs=logprobs.detach() if current else None,
-            ref_logprobs=reference,
-            entropy=entropy,
-            **counts,
-        )
-        loss, metrics = compute_loss(inputs, self.loss_cfg)
-        loss.backward()
-        return loss.item(), float(mask.sum()), metrics
-
-    def _optimizer_step(self) -> float:
-        """Clip, step the optimizer and the schedule, clear the gradients; the grad norm."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.trainer_cfg.max_grad_norm
-        )
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-        if hasattr(grad_norm, "full_tensor"):  # a sharded model's norm is a DTensor
-            grad_norm = grad_norm.full_tensor()
-        return float(grad_norm)
 
     def named_weights(self, dtype: torch.dtype | None = None):
         """(name, tensor) pairs to publish to the engine: the state_dict, or only the
@@ -302,11 +332,6 @@ class PolicyTrainer:
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.version = state.version
         return state
-
-
-# a one-token completion that carries no loss: the filler of a sharded rank's extra
-# micro-batches (its forward and backward join the others' collectives, its gradient is 0)
-PADDING = Rollout([0], [0], [0.0], [], "", "", completion_mask=[0])
 
 
 def batch_metrics(
@@ -347,19 +372,3 @@ def token_staleness(rollouts: list[Rollout], trainer_version: int) -> dict[str, 
 def without_loss(rollout: Rollout) -> Rollout:
     """A copy of `rollout` whose tokens carry no loss."""
     return dataclasses.replace(rollout, completion_mask=[0] * len(rollout.completion_ids))
-
-
-def sampled_mask(rollouts: list[Rollout], width: int) -> torch.Tensor:
-    """(B, width) 1.0 on completion tokens the engine sampled, 0.0 on inserted ones and padding.
-
-    Agent samples carry tool results and template tokens inside the completion
-    (`Rollout.completion_mask` 0, behaviour log-prob 0.0): they are never trained on,
-    and the corrections never see their placeholder log-probs.
-    """
-    masks, _ = pad_ragged(
-        [
-            r.completion_mask if r.completion_mask is not None else [1] * len(r.completion_ids)
-            for r in rollouts
-        ]
-    )  # (B, T)
-    return torch.nn.functional.pad(masks, (0, width - masks.shape[1]))

@@ -50,8 +50,10 @@ class ReferencePolicy:
         temperature: float = 1.0,
         top_p: float = 1.0,
         attention: str = "segments",
+        targets: Sequence[Sequence[int] | None] | None = None,
     ) -> list[torch.Tensor]:
-        """Per sequence, the (C_i,) fp32 log-probs of its completion tokens under the reference.
+        """Per sequence, the (C_i,) fp32 log-probs of its completion tokens (or of its
+        `targets`, see `packing.packed_targets`) under the reference.
 
         Call it under the trainer's autocast (if any) so that both forwards match.
         """
@@ -65,6 +67,7 @@ class ReferencePolicy:
                 top_p=top_p,
                 attention=attention,
                 runner=self.runner,
+                targets=targets,
             )
         return [lp.float() for lp in out.logprobs]
 

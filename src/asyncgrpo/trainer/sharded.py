@@ -9,7 +9,7 @@ head stays tied (it lives in the root's group with the embeddings).
 
 Sharding changes three things for the other modules:
 - every forward all-gathers, so all ranks run the same number of micro-batches
-  (`Prepared.micro_batches`; short ranks run loss-free filler ones, `loop.PADDING`);
+  (`Prepared.micro_batches`; short ranks run loss-free filler ones, `grpo_loss.PADDING`);
 - gradients are reduce-scattered (averaged) inside backward: no `gradient_sync`;
 - publishing and checkpointing gather full tensors (`full`), a collective that every
   rank runs in the same order (`data_parallel.py` sends them the command); loading lays each
