@@ -300,7 +300,7 @@ class Engine(_EngineThread):
 
         def write():
             if untie:
-                self._untie_head()
+                untie_head(self.model, self._params, self.runner)
             if pairs is None:
                 self._adapters.forget(name for name, _ in staged)
             writes = staged if pairs is None else self._adapters.merged(pairs)
@@ -314,15 +314,6 @@ class Engine(_EngineThread):
             self.scheduler.weights_changed(version)
 
         await self._run_on_engine(write)
-
-    def _untie_head(self) -> None:
-        """Give a tied LM head its own copy of the embedding, so an adapter on the head
-        (Tinker's `train_unembed`) changes the output layer and leaves the input alone."""
-        head = self.model.lm_head
-        separate = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-        head.weight = separate
-        self._params[HEAD] = separate
-        self.runner.untie_head(separate)
 
     def set_weight_version(self, version: int) -> None:
         self.weight_version = int(version)
@@ -392,3 +383,13 @@ def _check_prompt(prompt_ids: list[int], max_model_len: int, vocab_size: int) ->
         )
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise RequestError(f"prompt token ids must be in [0, {vocab_size})")
+
+
+def untie_head(model, params: dict[str, torch.Tensor], runner: ModelRunner) -> None:
+    """Give a tied LM head its own copy of the embedding, so an adapter on the head
+    (Tinker's `train_unembed`) changes the output layer and leaves the input alone."""
+    head = model.lm_head
+    separate = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    head.weight = separate
+    params[HEAD] = separate
+    runner.untie_head(separate)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.limits import TinkerLimits
+from asyncgrpo.trainer.datums import AdamParams
 
 REQUIRED: Any = object()
 """`read_field`'s default: the key must be present (and not null)."""
@@ -60,31 +62,24 @@ def refuse_unknown_keys(body: dict, known: set[str], prefix: str) -> None:
         )
 
 
-@dataclass(frozen=True)
-class TinkerAdamParams:
-    """One `optim_step`'s Adam hyperparameters, defaults as the SDK's `AdamParams`."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0  # decoupled (AdamW)
-    grad_clip_norm: float = 0.0  # 0 = no clipping
+# the SDK's `AdamParams` defaults (its learning rate too: the trainer's own has none)
+ADAM_DEFAULTS = dict(
+    learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0
+)
 
 
-def decode_adam_params(params: Any, prefix: str = "adam_params") -> TinkerAdamParams:
+def decode_adam_params(params: Any, prefix: str = "adam_params") -> AdamParams:
     """Adam's hyperparameters from the SDK's `adam_params` object, checked for range."""
-    defaults = TinkerAdamParams()
     if isinstance(params, dict) and "type" in params:
         raise TinkerUserError(
             f"{prefix}.type", f"optimizer {params['type']!r} is not served: Adam only"
         )
     values = {
-        name: read_field(params, name, float, prefix=prefix, default=getattr(defaults, name))
-        for name in vars(defaults)
+        name: read_field(params, name, float, prefix=prefix, default=default)
+        for name, default in ADAM_DEFAULTS.items()
     }
     refuse_unknown_keys(params, set(values), prefix)
-    adam = TinkerAdamParams(**values)
+    adam = SimpleNamespace(**values)
     for name, ok, rule in (
         ("learning_rate", adam.learning_rate >= 0, ">= 0"),
         ("beta1", 0 <= adam.beta1 < 1, "in [0, 1)"),
@@ -95,7 +90,7 @@ def decode_adam_params(params: Any, prefix: str = "adam_params") -> TinkerAdamPa
     ):
         if not ok:
             raise TinkerUserError(f"{prefix}.{name}", f"must be {rule}, got {values[name]}")
-    return adam
+    return AdamParams(**values)
 
 
 @dataclass(frozen=True)
@@ -104,7 +99,7 @@ class OptimStepCall:
 
     model_id: str
     seq_id: int
-    adam: TinkerAdamParams
+    adam: AdamParams
 
 
 def decode_optim_step(body: Any) -> OptimStepCall:

@@ -1,0 +1,55 @@
+"""Assemble a `TinkerService`: the base model for training, the engine for sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from asyncgrpo.adapters import ADAPTER_PREFIX, LORA_A_SUFFIX, LORA_B_SUFFIX
+from asyncgrpo.config import EmbeddedEngineConfig, TrainerConfig
+from asyncgrpo.tinker.limits import TinkerLimits
+from asyncgrpo.tinker.service import ServedModel, TinkerService
+
+
+def build_service(
+    name: str,
+    model_dir: Path,
+    engine_cfg: EmbeddedEngineConfig,
+    state_dir: Path,
+    limits: TinkerLimits | None = None,
+) -> TinkerService:
+    """The service over `model_dir`; its engine process starts loading at once."""
+    from transformers import AutoModelForCausalLM
+
+    from asyncgrpo.backend.embedded import EmbeddedBackend
+    from asyncgrpo.tinker.training import LoraModels
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    backend = EmbeddedBackend(engine_cfg)
+    backend.launch()  # the engine loads while this process builds the trainer
+    config = base.config
+    served = ServedModel(
+        name=name,
+        directory=str(Path(model_dir).resolve()),
+        vocab_size=int(config.vocab_size),
+        max_length=int(getattr(config, "max_position_embeddings", 2048)),
+    )
+    bf16 = {"bfloat16": True, "float32": False}.get(engine_cfg.dtype, "auto")
+    models = LoraModels(base, TrainerConfig(bf16_autocast=bf16))
+    return TinkerService(
+        served, models, backend, limits or TinkerLimits(), zero_adapter(base), state_dir
+    )
+
+
+def zero_adapter(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A rank-1 adapter with B = 0 on the first linear layer: syncing it returns every
+    weight of the engine to the base (the engine restores what an adapter does not name)."""
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module_name.endswith("q_proj"):
+            prefix = ADAPTER_PREFIX + module_name
+            return [
+                (prefix + LORA_A_SUFFIX, torch.zeros(1, module.in_features)),
+                (prefix + LORA_B_SUFFIX, torch.zeros(module.out_features, 1)),
+            ]
+    raise ValueError("the model has no attention q_proj layer to anchor a base adapter on")

@@ -1,0 +1,151 @@
+"""Tinker sampling sessions on one engine: which weights each session samples with, and
+the engine's switch between them.
+
+A Tinker program holds several samplers at once: the base model, a snapshot saved at step
+n (which must keep sampling with step n's weights after step n+1 is saved: an old path
+that silently sampled with newer weights would corrupt every importance ratio), and
+`inflight` samplers that follow a model's newest weights. The engine holds one set of
+weights at a time, so `EngineWeights` lets requests of the loaded sampler run together
+and switches to another sampler's weights only when the engine is idle. A switch is a
+LoRA adapter sync (tens of milliseconds on the embedded engine: `asyncgrpo.adapters`);
+waiting switches are served before new requests of the loaded sampler join, so a busy
+sampler cannot starve the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import torch
+
+from asyncgrpo.backend.base import EngineBackend
+from asyncgrpo.tinker.errors import TinkerUserError
+from asyncgrpo.tinker.sample_wire import SampleCall, SampledSequence, encode_sample_response
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """A sampling session: fixed weights (`weights`, None for the base model), or the
+    newest weights of training model `follows` (an `inflight` sampler)."""
+
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+    weights: NamedTensors | None = None
+    follows: str | None = None
+
+
+class EngineWeights:
+    """Which sampler's weights the engine holds, switched only while no request runs."""
+
+    def __init__(self, backend: EngineBackend, base_weights: Callable[[], NamedTensors]):
+        """`base_weights`: an adapter that leaves every weight at the base (the engine
+        restores any weight the loaded adapter does not name)."""
+        self.backend = backend
+        self._base_weights = base_weights
+        self._loaded: tuple | None = ("base",)  # the engine starts with the base weights
+        self._running = 0
+        self._waiting: Counter[tuple] = Counter()
+        self._turn = asyncio.Condition()
+        self._versions = itertools.count(1)
+        self.switches = 0
+
+    @asynccontextmanager
+    async def holding(
+        self, key: tuple, weights: Callable[[], NamedTensors | None]
+    ) -> AsyncIterator[None]:
+        """Run the block while the engine holds the weights named `key` (loaded on demand
+        from `weights()`, None meaning the base)."""
+        async with self._turn:
+            self._waiting[key] += 1
+            try:
+                await self._turn.wait_for(lambda: self._may_enter(key))
+            finally:
+                self._waiting[key] -= 1
+                if not self._waiting[key]:
+                    del self._waiting[key]
+            if self._loaded != key:
+                await self._load(key, weights())
+            self._running += 1
+        try:
+            yield
+        finally:
+            async with self._turn:
+                self._running -= 1
+                self._turn.notify_all()
+
+    def _may_enter(self, key: tuple) -> bool:
+        if self._loaded == key:
+            return not any(k != key for k in self._waiting)  # switches waiting go first
+        return self._running == 0
+
+    async def _load(self, key: tuple, weights: NamedTensors | None) -> None:
+        self._loaded = None  # a failed sync leaves nothing trusted loaded
+        named = weights if weights is not None else self._base_weights()
+        await self.backend.sync_weights(named, next(self._versions), "keep")
+        self._loaded = key
+        self.switches += 1
+
+
+class SamplerRegistry:
+    """Sampling sessions by id, and the saved sampler weights by `tinker://` path."""
+
+    def __init__(self):
+        self._samplers: dict[str, Sampler] = {}
+        self._saved: dict[str, Sampler] = {}
+
+    def add(self, sampler: Sampler) -> Sampler:
+        self._samplers[sampler.sampler_id] = sampler
+        if sampler.model_path is not None and sampler.follows is None:
+            self._saved[sampler.model_path] = sampler
+        return sampler
+
+    def get(self, sampler_id: str) -> Sampler:
+        try:
+            return self._samplers[sampler_id]
+        except KeyError:
+            raise TinkerUserError(
+                "sampling_session_id", f"unknown sampling session {sampler_id!r}"
+            ) from None
+
+    def saved(self, path: str) -> Sampler | None:
+        return self._saved.get(path)
+
+
+def engine_args(call: SampleCall) -> dict:
+    """The engine's `/v1/completions` settings for a Tinker sample request (`stop` as
+    `sample_wire` reads it; Tinker's `top_k` -1, "off", is the engine's 0)."""
+    args = dict(
+        n=call.num_samples,
+        max_tokens=call.max_tokens,
+        temperature=call.temperature,
+        top_p=call.top_p,
+        top_k=max(call.top_k, 0),
+        seed=call.seed,
+        ignore_eos=not call.stop_at_eos,
+    )
+    if call.stop_token_ids:
+        args["stop_token_ids"] = list(call.stop_token_ids)
+    if call.stop_strings:
+        args["stop"] = list(call.stop_strings)
+    return args
+
+
+def sample_response(completion) -> bytes:
+    """The protobuf `SampleResponse` of an engine completion (one sequence per sample)."""
+    sequences = [
+        SampledSequence(
+            tokens=sample.token_ids,
+            logprobs=sample.logprobs,
+            stop_reason="length" if sample.finish_reason == "length" else "stop",
+        )
+        for sample in completion.samples
+    ]
+    return encode_sample_response(sequences)

@@ -1,0 +1,103 @@
+"""`asyncgrpo tinker-serve`: a local Tinker API server over one base model.
+
+It loads the base model twice, as the other front door (`asyncgrpo train`) does: once in
+this process, where the LoRA training models share it, and once in the embedded engine's
+own process, which samples. Nothing is downloaded: `--model` is a shipped model's name, a
+local Hugging Face directory, or a hub id already in the local cache (`asyncgrpo.models`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+
+API_KEY_ENV = "ASYNCGRPO_TINKER_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncgrpo tinker-serve",
+        description="Serve the Tinker training API (tinker SDK 0.38) for LoRA models on one "
+        "base model: point `tinker.ServiceClient(base_url=...)` at it.",
+    )
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="base model (default: smollm2-135m)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    parser.add_argument("--port", type=int, default=8100, help="port (default: 8100)")
+    parser.add_argument(
+        "--state-dir",
+        default="tinker-state",
+        help="where tinker:// checkpoints are written (default: ./tinker-state)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="the engine's weights and the trainer's compute precision (default: auto, "
+        "bf16 where the CPU has native bf16 instructions)",
+    )
+    parser.add_argument(
+        "--engine-threads", type=int, default=1, help="the sampling engine's threads (default: 1)"
+    )
+    parser.add_argument(
+        "--trainer-threads", type=int, default=1, help="the trainer's threads (default: 1)"
+    )
+    parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    return parser
+
+
+def api_key() -> tuple[str, bool]:
+    """($ASYNCGRPO_TINKER_API_KEY, False), or a fresh random key and True."""
+    key = os.environ.get(API_KEY_ENV)
+    if key:
+        return key, False
+    return f"tml-local-{secrets.token_urlsafe(24)}", True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from asyncgrpo.config import EmbeddedEngineConfig
+    from asyncgrpo.models import ModelNotFoundError, resolve_model
+    from asyncgrpo.server.connections import run_server
+    from asyncgrpo.tinker.app import KEY_PREFIX, create_app
+    from asyncgrpo.tinker.build import build_service
+
+    key, generated = api_key()
+    if not key.startswith(KEY_PREFIX):
+        print(
+            f"error: ${API_KEY_ENV} must start with {KEY_PREFIX!r}: the tinker SDK sends no "
+            "other key",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        model_dir = resolve_model(args.model)
+    except ModelNotFoundError as exc:
+        print(f"error: --model: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(args.trainer_threads)
+    engine_cfg = EmbeddedEngineConfig(
+        model=str(model_dir), dtype=args.dtype, num_threads=args.engine_threads
+    )
+    service = build_service(args.model, Path(model_dir), engine_cfg, Path(args.state_dir))
+    if generated:
+        print(f"API key (set {API_KEY_ENV} to choose one): {key}", flush=True)
+    print(
+        f"asyncgrpo tinker-serve: {args.model} on http://{args.host}:{args.port} "
+        f"(tinker.ServiceClient(base_url='http://{args.host}:{args.port}'))",
+        flush=True,
+    )
+    run_server(
+        create_app(service, key),
+        engine_cfg,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+    )
+    return 0

@@ -1,0 +1,187 @@
+"""`asyncgrpo tinker-serve` driven by the real `tinker` SDK (0.38), unmodified.
+
+The server runs as its own process on the tiny random model in fp32 (so the trainer's and
+the sampler's log-probs agree to ~1e-5); every test talks to it only through
+`tinker.ServiceClient`, as a user's program would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from asyncgrpo.ports import free_port
+
+tinker = pytest.importorskip("tinker")
+types = tinker.types
+
+API_KEY = "tml-asyncgrpo-test-key"
+TOLERANCE_FP32 = 1e-4
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_model_dir, tmp_path_factory):
+    port = free_port()
+    state = tmp_path_factory.mktemp("tinker-state")
+    env = dict(os.environ, ASYNCGRPO_TINKER_API_KEY=API_KEY, OMP_NUM_THREADS="1")
+    log = open(state / "server.log", "w")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncgrpo.cli", "tinker-serve", "--model", str(tiny_model_dir),
+         "--port", str(port), "--state-dir", str(state), "--dtype", "float32"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, state / "server.log")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tinker-serve exited:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                # healthz answers before the engine is ready: a capabilities call waits for it
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"tinker-serve did not start:\n{log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def service(server_url):
+    os.environ["TINKER_TELEMETRY"] = "0"
+    client = tinker.ServiceClient(base_url=server_url, api_key=API_KEY)
+    yield client
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_model_dir):
+    return str(tiny_model_dir)
+
+
+def datum(tokens: list[int], **inputs) -> types.Datum:
+    """A datum whose position i predicts tokens[i + 1] (the SDK's usual shift)."""
+    model_input = types.ModelInput.from_ints(tokens[:-1])
+    loss_inputs = {"target_tokens": types.TensorData.from_numpy(np.array(tokens[1:]))}
+    for name, values in inputs.items():
+        loss_inputs[name] = types.TensorData.from_numpy(np.asarray(values, dtype=np.float32))
+    return types.Datum(model_input=model_input, loss_fn_inputs=loss_inputs)
+
+
+def test_sft_with_cross_entropy_lowers_the_loss(service, base_model):
+    trainer = service.create_lora_training_client(base_model=base_model, rank=8, seed=0)
+    tokens = list(range(5, 25))
+    sft = datum(tokens, weights=np.ones(len(tokens) - 1))
+    losses = []
+    for _ in range(4):
+        out = trainer.forward_backward([sft], "cross_entropy").result()
+        losses.append(out.metrics["loss:sum"])
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert losses[-1] < losses[0] - 0.5, losses
+    logprobs = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert logprobs.shape == (len(tokens) - 1,)
+    assert abs(-logprobs.sum() - losses[-1]) < 1e-3  # weights 1: the loss is −Σ log-probs
+
+
+def test_the_trainer_scores_a_sample_as_the_sampler_did(service, base_model):
+    trainer = service.create_lora_training_client(base_model=base_model, rank=8, seed=1)
+    sampler = trainer.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints([3, 14, 15, 92, 65])
+    params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=7, stop=[])
+    result = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+    assert len(result.sequences) == 2
+    for seq in result.sequences:
+        assert len(seq.tokens) == 12 and seq.stop_reason == "length"
+        tokens = prompt.to_ints() + list(seq.tokens)
+        scored = trainer.forward([datum(tokens, weights=np.ones(len(tokens) - 1))], "cross_entropy")
+        scored = scored.result()
+        learner = scored.loss_fn_outputs[0]["logprobs"].to_numpy()[-len(seq.tokens) :]
+        assert np.max(np.abs(learner - np.array(seq.logprobs))) < TOLERANCE_FP32
+
+
+def test_a_snapshot_keeps_its_weights_and_inflight_follows(service, base_model):
+    trainer = service.create_lora_training_client(base_model=base_model, rank=8, seed=2)
+    prompt = types.ModelInput.from_ints([7, 8, 9, 10])
+    params = types.SamplingParams(max_tokens=8, seed=3, stop=[])
+
+    def draw(client):
+        seq = client.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
+        return list(seq.tokens), list(seq.logprobs)
+
+    old = trainer.save_weights_and_get_sampling_client(kind="snapshot")
+    inflight = trainer.save_weights_and_get_sampling_client(kind="inflight")
+    before = draw(old)
+    assert draw(inflight) == before  # same weights so far
+    tokens = prompt.to_ints() + before[0]
+    sft = datum(tokens, weights=np.ones(len(tokens) - 1))
+    for _ in range(3):
+        trainer.forward_backward([sft], "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    new = trainer.save_weights_and_get_sampling_client()
+    trained = draw(new)
+    assert trained[1] != before[1]  # the new sampler serves the trained weights
+    assert draw(inflight) == trained  # inflight follows the newest weights
+    assert draw(old) == before  # the old snapshot still samples with its own
+
+
+def test_two_models_train_independently(service, base_model):
+    a = service.create_lora_training_client(base_model=base_model, rank=4, seed=3)
+    b = service.create_lora_training_client(base_model=base_model, rank=4, seed=3)
+    probe = datum(list(range(30, 45)), weights=np.ones(14))
+    before = b.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    sft = datum(list(range(30, 45)), weights=np.ones(14))
+    a.forward_backward([sft], "cross_entropy").result()
+    a.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    after_b = b.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    after_a = a.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    assert np.array_equal(before.to_numpy(), after_b.to_numpy())
+    assert not np.allclose(before.to_numpy(), after_a.to_numpy())
+
+
+def test_bad_inputs_fail_fast_as_user_errors_and_the_server_keeps_serving(
+    service, base_model, server_url
+):
+    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=4)
+    good = datum(list(range(5, 15)), weights=np.ones(9))
+    cases = {  # what is wrong -> the request field the error must name
+        "unknown loss": ([good], "no_such_loss", "loss_fn"),
+        "lengths disagree": (
+            [datum(list(range(5, 15)), weights=np.ones(4))],
+            "cross_entropy",
+            "loss_fn_inputs.weights",
+        ),
+        "token outside the vocabulary": (
+            [datum([5, 6, 10**6], weights=[1, 1])],
+            "cross_entropy",
+            "target_tokens",
+        ),
+        "stable_reinforce": ([good], "stable_reinforce", "importance_sampling"),
+        "missing input": ([good], "importance_sampling", "loss_fn_inputs.logprobs"),
+    }
+    for name, (data, loss, field) in cases.items():
+        start = time.monotonic()
+        with pytest.raises(tinker.RequestFailedError) as info:
+            trainer.forward_backward(data, loss).result(timeout=30)
+        assert time.monotonic() - start < 10, name
+        assert info.value.category == tinker.types.RequestErrorCategory.User, name
+        assert field in str(info.value), (name, str(info.value))
+    out = trainer.forward_backward([good], "cross_entropy").result(timeout=60)
+    assert np.isfinite(out.metrics["loss:sum"])
+    wrong = httpx.post(
+        f"{server_url}/api/v1/create_session", json={}, headers={"X-API-Key": "tml-wrong"}
+    )
+    assert wrong.status_code == 401
