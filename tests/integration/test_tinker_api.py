@@ -185,3 +185,43 @@ def test_bad_inputs_fail_fast_as_user_errors_and_the_server_keeps_serving(
         f"{server_url}/api/v1/create_session", json={}, headers={"X-API-Key": "tml-wrong"}
     )
     assert wrong.status_code == 401
+
+
+def test_saved_state_restores_bit_identical_and_takes_the_same_next_step(service, base_model):
+    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=5)
+    sft = datum(list(range(50, 70)), weights=np.ones(19))
+    adam = types.AdamParams(learning_rate=2e-2)
+    for _ in range(2):
+        trainer.forward_backward([sft], "cross_entropy").result()
+        trainer.optim_step(adam).result()
+    path = trainer.save_state("two-steps").result().path
+    assert path.startswith("tinker://") and path.endswith("/weights/two-steps")
+
+    def logprobs(client):
+        return client.forward([sft], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+
+    def next_step(client):
+        client.forward_backward([sft], "cross_entropy").result()
+        client.optim_step(adam).result()
+        return logprobs(client).to_numpy()
+
+    restored = service.create_training_client_from_state_with_optimizer(path).result()
+    assert np.array_equal(logprobs(restored).to_numpy(), logprobs(trainer).to_numpy())
+    assert np.array_equal(next_step(restored), next_step(trainer))
+    fresh_adam = service.create_training_client_from_state(path).result()
+    trainer.load_state(path).result()  # back to step 2 in place, Adam state kept
+    assert np.array_equal(logprobs(trainer).to_numpy(), logprobs(fresh_adam).to_numpy())
+
+
+def test_a_named_sampler_path_serves_its_weights_to_a_new_sampling_client(service, base_model):
+    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=6)
+    sft = datum(list(range(80, 95)), weights=np.ones(14))
+    trainer.forward_backward([sft], "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = trainer.save_weights_for_sampler("step-1").result().path
+    assert path.endswith("/sampler_weights/step-1")
+    prompt = types.ModelInput.from_ints([80, 81, 82])
+    params = types.SamplingParams(max_tokens=6, seed=9, stop=[])
+    direct = trainer.create_sampling_client(path).sample(prompt, 1, params).result()
+    other = service.create_sampling_client(model_path=path).sample(prompt, 1, params).result()
+    assert list(direct.sequences[0].logprobs) == list(other.sequences[0].logprobs)

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 from asyncgrpo.server.limits import BodyLimitMiddleware
-from asyncgrpo.tinker import json_wire, sample_wire, wire
+from asyncgrpo.tinker import json_wire, sample_wire, state_ops, wire
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.futures import LONG_POLL_S
 from asyncgrpo.tinker.service import TinkerService
@@ -157,8 +157,17 @@ def _training_routes() -> APIRouter:
     async def save_weights_for_sampler(request: Request):
         return service(request).save_weights_for_sampler(await _json(request))
 
-    for unsupported in ("save_weights", "load_weights", "save_weights_external"):
-        router.add_api_route(f"/{unsupported}", _not_yet(unsupported), methods=["POST"])
+    @router.post("/save_weights")
+    async def save_weights(request: Request):
+        return state_ops.save_weights(service(request), await _json(request))
+
+    @router.post("/load_weights")
+    async def load_weights(request: Request):
+        return state_ops.load_weights(service(request), await _json(request))
+
+    router.add_api_route(
+        "/save_weights_external", _not_yet("save_weights_external"), methods=["POST"]
+    )
     return router
 
 

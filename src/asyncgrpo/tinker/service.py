@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncgrpo.tinker import wire
+from asyncgrpo.tinker.checkpoints import CheckpointStore, check_name, tinker_path
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.futures import FutureTable, Outcome, SeqOrder
 from asyncgrpo.tinker.json_wire import CreateModelCall, OptimStepCall
@@ -36,8 +37,6 @@ from asyncgrpo.tinker.sampling import (
     engine_args,
     sample_response,
 )
-
-SAMPLER_PREFIX = "tinker://"
 
 
 @dataclass
@@ -79,7 +78,7 @@ class TinkerService:
         self.limits = limits
         self.futures = FutureTable()
         self.samplers = SamplerRegistry()
-        self.state_dir = state_dir
+        self.checkpoints = CheckpointStore(state_dir)
         self.engine = EngineWeights(backend, lambda: base_adapter)
         self.sessions: dict[str, Session] = {}
         self._order: dict[str, SeqOrder] = {}
@@ -120,13 +119,11 @@ class TinkerService:
                 train_attn=call.train_attn,
                 train_unembed=call.train_unembed,
             )
-            self._ranks[model_id] = call.rank
-            self._latest[model_id] = (0, self.models.sampler_weights(model_id))
-            self._order[model_id] = SeqOrder()
+            self.register_model(model_id)
             return Outcome(json={"type": "create_model", "model_id": model_id})
 
         del session  # checked: the model belongs to a live session
-        request_id = self.futures.submit(("create", model_id), lambda: self._train(create))
+        request_id = self.futures.submit(("create", model_id), lambda: self.in_trainer(create))
         return {"request_id": request_id, "model_id": model_id}
 
     def get_info(self, model_id: str) -> dict:
@@ -153,18 +150,17 @@ class TinkerService:
             out = run(call.model_id, call.datums, call.loss_fn, call.loss_fn_config)
             return Outcome(proto=wire.encode_forward_backward_output(out.logprobs, out.metrics))
 
-        return self._ordered(call.model_id, call.seq_id, run)
+        return self.ordered(call.model_id, call.seq_id, run)
 
     def optim_step(self, call: OptimStepCall) -> dict:
         model_id = call.model_id
 
         def run() -> Outcome:
             metrics = self.models.optim_step(model_id, call.adam)
-            version = self._latest[model_id][0] + 1
-            self._latest[model_id] = (version, self.models.sampler_weights(model_id))
+            self.publish(model_id)
             return Outcome(json={"type": "optim_step", "metrics": metrics})
 
-        return self._ordered(model_id, call.seq_id, run)
+        return self.ordered(model_id, call.seq_id, run)
 
     def fail_in_turn(self, exc: TinkerUserError) -> dict:
         """A request refused while decoding, once its seq_id is known: it fails through
@@ -176,7 +172,7 @@ class TinkerService:
             raise exc
 
         if owner in self._order:
-            return self._ordered(owner, seq_id, refuse)
+            return self.ordered(owner, seq_id, refuse)
         raise exc
 
     def save_weights_for_sampler(self, body: dict) -> dict:
@@ -191,11 +187,13 @@ class TinkerService:
                 raise TinkerUserError("path", "give one of path and sampling_session_seq_id")
             session = model_id.split(":train:")[0]
             if name is not None:
-                path = f"{SAMPLER_PREFIX}{model_id}/sampler_weights/{name}"
+                path = tinker_path(model_id, "sampler_weights", check_name(str(name)))
                 sampler_id = f"{session}:weights:{name}"
             else:
                 path, sampler_id = None, f"{session}:sample:{int(session_seq)}"
             snapshot = self._latest[model_id][1] if kind == "snapshot" or path else None
+            if path is not None:
+                self.checkpoints.save_sampler(path, snapshot)
             self.samplers.add(
                 Sampler(
                     sampler_id,
@@ -208,7 +206,7 @@ class TinkerService:
             result = {"path": path} if path else {"sampling_session_id": sampler_id}
             return Outcome(json={"type": "save_weights_for_sampler", **result})
 
-        return self._ordered(model_id, seq_id, run)
+        return self.ordered(model_id, seq_id, run)
 
     # ---- sampling ----------------------------------------------------------------
 
@@ -218,9 +216,8 @@ class TinkerService:
         path, base = body.get("model_path"), body.get("base_model")
         if path is not None:
             saved = self.samplers.saved(str(path))
-            if saved is None:
-                raise TinkerUserError("model_path", f"no sampler weights saved at {path!r}")
-            sampler = Sampler(sampler_id, self.served.name, str(path), saved.weights)
+            weights = saved.weights if saved else self.checkpoints.load_sampler(str(path))
+            sampler = Sampler(sampler_id, self.served.name, str(path), weights)
         elif base == self.served.name:
             sampler = Sampler(sampler_id, self.served.name)
         else:
@@ -269,22 +266,33 @@ class TinkerService:
 
     # ---- plumbing ----------------------------------------------------------------
 
+    def register_model(self, model_id: str) -> None:
+        """A model just created (or loaded) in `models` takes requests: trainer thread."""
+        self._ranks[model_id] = self.models.spec(model_id).rank
+        self.publish(model_id)
+        self._order[model_id] = SeqOrder()
+
+    def publish(self, model_id: str) -> None:
+        """The model's weights changed: `inflight` samplers follow. Trainer thread."""
+        version = self._latest[model_id][0] + 1 if model_id in self._latest else 0
+        self._latest[model_id] = (version, self.models.sampler_weights(model_id))
+
     def _require_model(self, model_id: str) -> None:
         if model_id not in self._order:
             raise TinkerUserError("model_id", f"unknown model {model_id!r}")
 
-    def _ordered(self, model_id: str, seq_id: int | None, work: Callable[[], Outcome]) -> dict:
+    def ordered(self, model_id: str, seq_id: int | None, work: Callable[[], Outcome]) -> dict:
         """Queue `work` behind the model's lower seq_ids; a request id at once."""
         self._require_model(model_id)
         order = self._order[model_id]
 
         async def run() -> Outcome:
-            return await order.run(seq_id, lambda: self._train(work))
+            return await order.run(seq_id, lambda: self.in_trainer(work))
 
         key = (model_id, seq_id) if seq_id is not None else None
         return {"request_id": self.futures.submit(key, run), "model_id": model_id}
 
-    async def _train(self, work: Callable[[], Outcome]) -> Outcome:
+    async def in_trainer(self, work: Callable[[], Outcome]) -> Outcome:
         return await asyncio.get_running_loop().run_in_executor(self._trainer, work)
 
     async def start(self) -> None:
