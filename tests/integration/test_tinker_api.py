@@ -1,6 +1,6 @@
 """`asyncgrpo tinker-serve` driven by the real `tinker` SDK (0.38), unmodified.
 
-The server runs as its own process on the tiny random model in fp32 (so the trainer's and
+The server runs on the tiny random model in fp32 (so the trainer's and
 the sampler's log-probs agree to ~1e-5); every test talks to it only through
 `tinker.ServiceClient`, as a user's program would.
 """
@@ -8,18 +8,25 @@ the sampler's log-probs agree to ~1e-5); every test talks to it only through
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
+import torch
+import uvicorn
 
+from asyncgrpo.config import EmbeddedEngineConfig
 from asyncgrpo.ports import free_port
+
+pytest.importorskip("peft")
 
 tinker = pytest.importorskip("tinker")
 types = tinker.types
+
+from asyncgrpo.tinker.app import create_app  # noqa: E402 (needs the SDK)
+from asyncgrpo.tinker.build import build_service  # noqa: E402
 
 API_KEY = "tml-asyncgrpo-test-key"
 TOLERANCE_FP32 = 1e-4
@@ -27,38 +34,42 @@ TOLERANCE_FP32 = 1e-4
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir, tmp_path_factory):
-    port = free_port()
+    """`create_app` over `build_service`, as `asyncgrpo tinker-serve` runs them, served by
+    uvicorn on a thread of the test process (the engine is its own process, as there)."""
+    engine = EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1)
     state = tmp_path_factory.mktemp("tinker-state")
-    env = dict(os.environ, ASYNCGRPO_TINKER_API_KEY=API_KEY, OMP_NUM_THREADS="1")
-    log = open(state / "server.log", "w")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncgrpo.cli", "tinker-serve", "--model", str(tiny_model_dir),
-         "--port", str(port), "--state-dir", str(state), "--dtype", "float32"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    service = build_service(str(tiny_model_dir), tiny_model_dir, engine, state)
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(service, API_KEY), host="127.0.0.1", port=port, log_level="warning"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="tinker-serve", daemon=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tinker-serve's --trainer-threads default, beside the engine's 1
+    thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, state / "server.log")
+        _wait_healthy(url, thread)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+        server.should_exit = True
+        thread.join(60)
+        torch.set_num_threads(threads)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float = 120) -> None:
+def _wait_healthy(url: str, thread: threading.Thread, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"tinker-serve exited:\n{log_path.read_text()[-3000:]}")
-        try:
+        if not thread.is_alive():
+            raise RuntimeError("the tinker server stopped while starting (see the log above)")
+        try:  # uvicorn answers once the app's startup (the engine ready) is done
             if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                # healthz answers before the engine is ready: a capabilities call waits for it
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
-    raise TimeoutError(f"tinker-serve did not start:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.2)
+    raise TimeoutError("tinker-serve did not start")
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +236,25 @@ def test_a_named_sampler_path_serves_its_weights_to_a_new_sampling_client(servic
     direct = trainer.create_sampling_client(path).sample(prompt, 1, params).result()
     other = service.create_sampling_client(model_path=path).sample(prompt, 1, params).result()
     assert list(direct.sequences[0].logprobs) == list(other.sequences[0].logprobs)
+
+
+def test_sampling_completes_while_a_long_forward_backward_runs(service, base_model):
+    """The engine is its own process: a sample submitted after a long forward_backward
+    finishes before it, as an asynchronous RL client needs."""
+    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=7)
+    sampler = trainer.save_weights_and_get_sampling_client(kind="inflight")
+    prompt = types.ModelInput.from_ints([11, 12, 13])
+    params = types.SamplingParams(max_tokens=4, seed=1, stop=[])
+    sampler.sample(prompt, 1, params).result()  # the engine holds this sampler's weights
+    rng = np.random.default_rng(0)
+    heavy = [
+        datum(rng.integers(5, 400, size=400).tolist(), weights=np.ones(399)) for _ in range(48)
+    ]
+    start = time.monotonic()
+    training = trainer.forward_backward(heavy, "cross_entropy")
+    sampled = sampler.sample(prompt, 2, params)
+    sampled.result()
+    sampled_at = time.monotonic() - start
+    training.result()
+    trained_at = time.monotonic() - start
+    assert sampled_at < trained_at / 2, (sampled_at, trained_at)
