@@ -258,3 +258,81 @@ def test_sampling_completes_while_a_long_forward_backward_runs(service, base_mod
     training.result()
     trained_at = time.monotonic() - start
     assert sampled_at < trained_at / 2, (sampled_at, trained_at)
+
+
+def _reference_loss(name: str, tlp, slp, adv, config, seq_mask=None):
+    """Tinker's losses written out from ../shared/TINKER.md (sum over tokens), in torch."""
+    ratio = torch.exp(tlp - slp)
+    lo, hi = config.get("clip_low_threshold"), config.get("clip_high_threshold")
+    if name == "importance_sampling":
+        return -(ratio * adv).sum()
+    if name == "ppo":
+        return -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv).sum()
+    if name == "cispo":
+        return -(ratio.clamp(lo, hi).detach() * tlp * adv).sum()
+    if name == "dro":
+        return -(tlp * adv - 0.5 * config["beta"] * (tlp - slp) ** 2).sum()
+    sequence = ((tlp.detach() - slp) * seq_mask).sum() / seq_mask.sum()  # gspo
+    ratio = torch.exp(sequence + tlp - tlp.detach())
+    return -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv).sum()
+
+
+LOSS_CASES = {
+    "importance_sampling": {},
+    "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 1.05},
+    "dro": {"beta": 0.5},
+    "gspo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSS_CASES))
+def test_each_loss_and_its_gradient_equal_a_hand_computation(service, base_model, loss):
+    """`loss:sum` equals the formula applied to the returned log-probs; and one step on it
+    moves the weights exactly as one step on the same formula run client-side through
+    `forward_backward_custom` (Adam with eps 1 is a smooth function of each gradient
+    element, so equal steps mean equal gradients)."""
+    config = {**LOSS_CASES[loss]}
+    tokens = list(range(100, 124))
+    probe = datum(tokens, weights=np.ones(len(tokens) - 1))
+    fixed, custom = (
+        service.create_lora_training_client(base_model=base_model, rank=4, seed=8)
+        for _ in range(2)
+    )
+    learner = fixed.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    rng = np.random.default_rng(1)
+    n = len(tokens) - 1
+    inputs = {
+        "logprobs": learner.to_numpy() + rng.normal(0, 0.15, n),  # ratios on both clip sides
+        "advantages": rng.choice([-1.0, 0.5, 2.0], n),
+    }
+    if loss == "gspo":
+        inputs["sequence_ratio_mask"] = (np.arange(n) % 3 != 0).astype(np.float32)
+    rl = datum(tokens, **inputs)
+    tensors = {k: torch.tensor(v, dtype=torch.float32) for k, v in inputs.items()}
+    out = fixed.forward_backward([rl], loss, config).result()
+    tlp = torch.tensor(out.loss_fn_outputs[0]["logprobs"].to_numpy())
+    hand = _reference_loss(
+        loss, tlp, tensors["logprobs"], tensors["advantages"], config,
+        tensors.get("sequence_ratio_mask"),
+    )  # fmt: skip
+    assert out.metrics["loss:sum"] == pytest.approx(float(hand), rel=1e-4, abs=1e-4)
+
+    def client_side(data, logprobs_list):
+        lp = logprobs_list[0]
+        return _reference_loss(
+            loss, lp, tensors["logprobs"], tensors["advantages"], config,
+            tensors.get("sequence_ratio_mask"),
+        ), {}  # fmt: skip
+
+    custom.forward_backward_custom([rl], client_side).result()
+    adam = types.AdamParams(learning_rate=0.05, eps=1.0)
+    fixed.optim_step(adam).result()
+    custom.optim_step(adam).result()
+    after = [
+        c.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+        for c in (fixed, custom)
+    ]
+    moved = np.abs(after[0] - learner.to_numpy()).max()
+    assert moved > 1e-3, moved
+    assert np.abs(after[0] - after[1]).max() < 1e-3 * moved
