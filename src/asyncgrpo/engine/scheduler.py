@@ -64,6 +64,7 @@ class Scheduler:
         self.weight_version = 0  # stamped on every sampled token
         self.weights_epoch = 0  # bumped by every weight update
         self.generated_tokens = 0
+        self._prefilling: list[Request] = []  # the requests of the prefill forward running
 
     @property
     def waiting(self) -> deque[Request]:
@@ -108,8 +109,12 @@ class Scheduler:
         rows = self.prefill.plan(
             admit=admit, running=len(self.running), weights_epoch=self.weights_epoch
         )
+        # admitted directly, they are in no queue until their samples start: a failing
+        # forward must still reach them (fail_all)
+        self._prefilling = [request for request, _, _, _ in rows]
         if rows:
             self._run_prefill(rows, outbox)
+        self._prefilling = []
         if self.running:
             self._decode(outbox)
         _emit(outbox)
@@ -268,7 +273,7 @@ class Scheduler:
         return open_samples
 
     def _all_requests(self) -> list[Request]:
-        requests = self.prefill.requests() + [s.request for s in self.running]
+        requests = self.prefill.requests() + self._prefilling + [s.request for s in self.running]
         return list(dict.fromkeys(requests))
 
     def abort_all(self) -> None:
@@ -284,6 +289,7 @@ class Scheduler:
             self.live.pop(request.id, None)
             _raise_in_consumer(request, exc)
         self.prefill.clear()
+        self._prefilling = []
         self.running.clear()
 
 
