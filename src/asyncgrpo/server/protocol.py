@@ -21,7 +21,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncgrpo.engine.types import MAX_TOP_LOGPROBS, RequestError, SamplingParams
+from asyncgrpo.engine.types import (
+    MAX_PROMPT_LOGPROBS,
+    MAX_TOP_LOGPROBS,
+    RequestError,
+    SamplingParams,
+)
 
 MAX_TEMPLATE_KWARGS = 16
 MAX_TEMPLATE_KWARG_CHARS = 1024
@@ -309,8 +314,14 @@ def _check_template_kwarg(key: str, value: Any) -> None:
 
 
 class CompletionRequest(GenerationRequest):
+    """`prompt_logprobs` (vLLM's): None, or k >= 0 for the log-prob of every prompt token
+    given the tokens before it plus the k most likely tokens at each position, under the
+    raw model distribution (temperature 1, no top-k or top-p) whatever the sampling
+    settings; not with `stream`, as in vLLM."""
+
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     add_special_tokens: bool = True
@@ -325,7 +336,28 @@ class CompletionRequest(GenerationRequest):
                 400,
                 "logprobs",
             )
+        self.check_prompt_logprobs()
         super().check(limits, prompts)
+
+    def check_prompt_logprobs(self) -> None:
+        k = self.prompt_logprobs
+        if k is None:
+            return
+        if not 0 <= k <= MAX_PROMPT_LOGPROBS:
+            raise RequestError(
+                f"prompt_logprobs must be null or between 0 and {MAX_PROMPT_LOGPROBS}, got {k}",
+                400,
+                "prompt_logprobs",
+            )
+        if self.stream:
+            raise RequestError(
+                "prompt_logprobs are not available when stream=true", 400, "prompt_logprobs"
+            )
+
+    def sampling_params(self, max_tokens: int, top_logprobs: int) -> SamplingParams:
+        params = super().sampling_params(max_tokens, top_logprobs)
+        params.prompt_logprobs = self.prompt_logprobs
+        return params
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
