@@ -145,3 +145,19 @@ def test_bad_prompt_logprobs_are_a_400_naming_the_field(server):
         error = answer.json()["error"]
         assert error["param"] == "prompt_logprobs" and "prompt_logprobs" in error["message"]
     assert post(server, prompt=prompt, max_tokens=1, prompt_logprobs=20).status_code == 200
+
+
+def test_chat_reports_prompt_logprobs_at_the_top_level_as_vllm_does(server, reference):
+    body = {
+        "messages": [{"role": "user", "content": "What is 12 + 7?"}],
+        "max_tokens": 2,
+        "n": 2,
+        "return_token_ids": True,
+    }
+    url = f"{server.base_url}/v1/chat/completions"
+    scored = httpx.post(url, json={**body, "prompt_logprobs": 2}, timeout=60).json()
+    prompt = scored["prompt_token_ids"]
+    check_against_reference(scored["prompt_logprobs"], prompt, reference_logp(reference, prompt), 2)
+    assert httpx.post(url, json=body, timeout=60).json()["prompt_logprobs"] is None
+    streamed = httpx.post(url, json={**body, "prompt_logprobs": 2, "stream": True}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
