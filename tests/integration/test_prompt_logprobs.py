@@ -161,3 +161,13 @@ def test_chat_reports_prompt_logprobs_at_the_top_level_as_vllm_does(server, refe
     assert httpx.post(url, json=body, timeout=60).json()["prompt_logprobs"] is None
     streamed = httpx.post(url, json={**body, "prompt_logprobs": 2, "stream": True}, timeout=60)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_several_prompts_each_get_their_own_prompt_logprobs(server, reference):
+    prompts = [prompt_of(6, salt=5), prompt_of(CHUNK + 1, salt=6)]
+    answer = post(server, prompt=prompts, n=2, max_tokens=1, prompt_logprobs=1).json()
+    for choice in answer["choices"]:
+        prompt = prompts[choice["index"] // 2]
+        check_against_reference(
+            choice["prompt_logprobs"], prompt, reference_logp(reference, prompt), 1
+        )
