@@ -386,3 +386,24 @@ def test_stop_token_ids_outside_the_vocabulary_are_harmless(unchecked):
         )
     )[0]
     assert out["finish"] == "length" and len(out["ids"]) == 5
+
+
+def test_a_failing_prefill_forward_fails_its_requests_instead_of_hanging(engine, monkeypatch):
+    """A request admitted straight into a prefill is in no queue until its samples start;
+    when that forward raises, its consumer still gets the error, and the engine serves on."""
+    calls = {"n": 0}
+    real_prefill = engine.runner.prefill
+
+    def prefill_failing_once(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("forward blew up")
+        return real_prefill(*args)
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill_failing_once)
+    prompt = prompt_ids(engine, "What is 12 + 7?")
+    with pytest.raises(RuntimeError, match="forward blew up"):
+        run(asyncio.wait_for(collect(engine, prompt, max_tokens=2), 30))
+    assert not engine.scheduler.live
+    assert len(run(collect(engine, prompt, max_tokens=2, ignore_eos=True))[0]["ids"]) == 2
+    assert calls["n"] == 2

@@ -136,6 +136,19 @@ def test_sampling_values_are_range_checked_and_tiny_temperatures_allowed():
     SamplingParams(temperature=1e-40).validate()
 
 
+def test_prompt_logprobs_are_bounded_and_reach_the_engine_settings():
+    for value, stream in [(21, False), (-1, False), (2, True)]:
+        error = refusal(CompletionRequest(prompt="x", prompt_logprobs=value, stream=stream))
+        assert error.param == "prompt_logprobs" and "prompt_logprobs" in error.message
+    with pytest.raises(RequestError) as engine_refusal:
+        SamplingParams(prompt_logprobs=21).validate()
+    assert engine_refusal.value.param == "prompt_logprobs"
+    for value in (None, 0, 20):
+        request = CompletionRequest(prompt="x", prompt_logprobs=value)
+        request.check(LIMITS)
+        assert request.sampling_params(4, 0).prompt_logprobs == value
+
+
 def test_sequences_per_request_are_bounded_before_anything_is_built():
     assert "max_num_seqs=8" in refusal(CompletionRequest(prompt="x", n=9)).message
     error = refusal(CompletionRequest(prompt=["a", "b", "c"], n=8), prompts=3)

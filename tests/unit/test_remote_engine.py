@@ -238,6 +238,14 @@ def test_no_seed_reaches_a_cpu_vllm(make_engine):
     assert gpu_fake.generate_bodies()[0]["sampling_params"]["seed"] == 3
 
 
+def test_prompt_logprobs_are_refused_not_dropped(make_engine):
+    engine, fake = make_engine(FakeVLLM(device="cuda"))
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(collect(engine, [1, 2], SamplingParams(prompt_logprobs=1)))
+    assert refused.value.status == 400 and refused.value.param == "prompt_logprobs"
+    assert fake.generate_bodies() == []
+
+
 def test_the_upstream_is_checked_at_start(make_engine):
     with pytest.raises(RequestError, match="--enable-scale-out"):
         make_engine(FakeVLLM(scale_out=False))

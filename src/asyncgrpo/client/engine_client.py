@@ -13,6 +13,7 @@ engine restarts on another address. Retries follow `retry.RetryPolicy`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -41,12 +42,21 @@ class Continuation:
 
 @dataclass
 class Completion:
-    """The `n` samples of one prompt, plus the prompt's token ids as the engine saw them."""
+    """The `n` samples of one prompt, plus the prompt's token ids as the engine saw them.
+
+    With `complete(prompt_logprobs=k)`: `prompt_logprobs[i]` is the log-prob of prompt
+    token i given tokens 0..i-1 (None for i = 0) under the raw model distribution
+    (temperature 1, no top-k/top-p, whatever the sampling settings), and, for k > 0,
+    `prompt_top_logprobs[i]` the k most likely `(token_id, logprob)` there, most likely
+    first (None for i = 0). Both None when not asked for (`prompt_top_logprobs` also for k = 0).
+    """
 
     samples: list[Continuation]
     prompt_token_ids: list[int]
     id: str = ""
     usage: dict = field(default_factory=dict)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class EngineClient(EpisodeGatewayMixin):
@@ -138,9 +148,13 @@ class EngineClient(EpisodeGatewayMixin):
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        prompt_logprobs: int | None = None,
         timeout: float | None = None,
     ) -> Completion:
-        """Sample `n` continuations of a token-id prompt (`/v1/completions`)."""
+        """Sample `n` continuations of a token-id prompt (`/v1/completions`).
+
+        `prompt_logprobs=k` (vLLM's field) also scores the prompt: see `Completion`.
+        """
         body = {
             "prompt": list(prompt_ids),
             "n": n,
@@ -153,10 +167,20 @@ class EngineClient(EpisodeGatewayMixin):
             "ignore_eos": ignore_eos,
         }
         body.update(
-            _optional(seed=seed, stop=stop, stop_token_ids=stop_token_ids, model=self.model)
+            _optional(
+                seed=seed,
+                stop=stop,
+                stop_token_ids=stop_token_ids,
+                model=self.model,
+                prompt_logprobs=prompt_logprobs,
+            )
         )
         data = await self._json("POST", "/v1/completions", json=body, timeout=timeout)
-        return _completion(data, prompt_ids)
+        completion = _completion(data, prompt_ids)
+        if prompt_logprobs is not None:
+            first = min(data["choices"], key=lambda c: c["index"]) if data["choices"] else {}
+            _add_prompt_logprobs(completion, first.get("prompt_logprobs"), prompt_logprobs)
+        return completion
 
     async def chat(
         self,
@@ -292,6 +316,29 @@ def _completion(data: dict, prompt_ids: list[int]) -> Completion:
     return Completion(
         samples, list(prompt or prompt_ids), data.get("id", ""), data.get("usage", {})
     )
+
+
+def _add_prompt_logprobs(completion: Completion, positions: list | None, top_k: int) -> None:
+    """Parse vLLM's `prompt_logprobs` (None, then per position a dict token id ->
+    {logprob, rank, decoded_token} holding the prompt token and the top-k) into `completion`."""
+    prompt = completion.prompt_token_ids
+    if positions is None or len(positions) != len(prompt):
+        raise EngineProtocolError(
+            f"asked for prompt_logprobs of a {len(prompt)}-token prompt, got "
+            f"{'none' if positions is None else len(positions)}"
+        )
+    logprobs: list[float | None] = [None]
+    tops: list[list[tuple[int, float]] | None] = [None]
+    for token, position in zip(prompt[1:], positions[1:], strict=True):
+        entry = (position or {}).get(str(token))
+        if entry is None:
+            raise EngineProtocolError(f"prompt_logprobs lack prompt token {token}")
+        logprobs.append(float(entry["logprob"]))
+        ranked = sorted(position.items(), key=lambda item: item[1].get("rank") or math.inf)
+        ranked = ranked[:top_k]
+        tops.append([(int(t), float(e["logprob"])) for t, e in ranked])
+    completion.prompt_logprobs = logprobs
+    completion.prompt_top_logprobs = tops if top_k > 0 else None
 
 
 def _chat_completion(data: dict) -> Completion:

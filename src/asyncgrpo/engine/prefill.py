@@ -14,7 +14,9 @@ staged prompt's next chunk, then waiting requests in arrival order for as long a
 - a long prompt finds a free staging slot.
 
 Admission loads a prompt's cached leading blocks into its slot, so a row starts
-after them, and counts the prompt tokens admitted and read from the cache.
+after them, and counts the prompt tokens admitted and read from the cache. A request
+that asks for prompt log-probs bypasses the cache (it needs every position's logits);
+its blocks are still stored for later prompts.
 Like the scheduler it runs only on the engine thread.
 """
 
@@ -70,7 +72,7 @@ class PrefillQueue:
             if n > free:
                 break
             # the last prompt token is always computed: its logits start the completion
-            hits, missing = self.prefix_cache.lookup(request.prompt, length - 1)
+            hits, missing = self._lookup(request)
             if missing is not None and missing in pending:
                 break  # a row of this step computes the same blocks: reuse them next step
             cached = len(hits) * PREFIX_BLOCK
@@ -95,6 +97,13 @@ class PrefillQueue:
                 pending.add(missing)
             free -= n
             self.waiting.popleft()
+
+    def _lookup(self, request: Request) -> tuple[list[int], tuple | None]:
+        """The request's cached leading blocks; none for a request that wants prompt
+        log-probs: it needs the logits of every position, so it computes them all."""
+        if request.prompt_scores is not None:
+            return [], None
+        return self.prefix_cache.lookup(request.prompt, len(request.prompt) - 1)
 
     def _stage(self, request: Request, cached: int) -> int | None:
         """Give a long prompt a free staging slot (None when all are taken)."""

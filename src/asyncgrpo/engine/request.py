@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncgrpo.engine.prompt_logprobs import PromptScores
 from asyncgrpo.engine.sampling import RowParams
 from asyncgrpo.engine.stop_strings import StopStrings
 from asyncgrpo.engine.types import SamplingParams
@@ -51,6 +52,7 @@ class Request:
     weights_epoch: int = -1  # the weights its keys and values were computed with
     stops: StopStrings | None = None
     stop_token_ids: frozenset[int] = frozenset()
+    prompt_scores: PromptScores | None = None  # only when it asked for prompt log-probs
 
     @classmethod
     def create(
@@ -61,6 +63,8 @@ class Request:
         request.max_tokens = min(params.max_tokens, max_model_len - len(prompt))
         request.stops = StopStrings.of(params.stop)
         request.stop_token_ids = frozenset(params.stop_token_ids)
+        if params.prompt_logprobs is not None:
+            request.prompt_scores = PromptScores(request.prompt, params.prompt_logprobs)
         for i in range(params.n):
             gen = None
             if params.seed is not None:

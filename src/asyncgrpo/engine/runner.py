@@ -264,7 +264,8 @@ class ModelRunner:
         gate, up = layer.gate_up(x).chunk(2, dim=-1)
         return h + layer.down(F.silu(gate) * up)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (..., V) of final hidden states (..., hidden)."""
         return self.lm_head(_rms_norm(h, self.final_norm)).float()
 
     @torch.inference_mode()
@@ -294,9 +295,8 @@ class ModelRunner:
                 q, k_cache[:b, :, :length], v_cache[:b, :, :length], attn_mask=mask
             )
             h = self._mlp_residual(layer, h, attn.reshape(b, 1, -1))
-        return self._logits(h[:, 0])
+        return self.logits(h[:, 0])
 
-    @torch.inference_mode()
     def prefill(self, slots: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Run prompt chunks for several sequences at once, writing their keys and values.
 
@@ -304,6 +304,15 @@ class ModelRunner:
         that slot's cached positions before `starts[r]`. Returns float32 logits (R, V) of each
         chunk's last token.
         """
+        return self.prefill_states(slots, chunks, starts)[0]
+
+    @torch.inference_mode()
+    def prefill_states(
+        self, slots: list[int], chunks: list[list[int]], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill`, plus the final hidden states (R, T, hidden) of every position, T the
+        longest chunk (a row's positions past its own chunk are padding): `logits(hidden)`
+        gives any position's logits (prompt log-probs, prompt_logprobs.py)."""
         self._refresh()
         n = len(chunks)
         lengths = [len(c) for c in chunks]
@@ -332,4 +341,4 @@ class ModelRunner:
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
             h = self._mlp_residual(layer, h, attn.transpose(1, 2).reshape(n, t, -1))
         last = torch.tensor(lengths) - 1
-        return self._logits(h[torch.arange(n), last])
+        return self.logits(h[torch.arange(n), last]), h

@@ -7,7 +7,8 @@ front end drains, so no lock guards it; the front end only registers new request
 
 A step prefills the prompt chunks that `PrefillQueue` (prefill.py) chooses in one
 batched forward (admission, prefix-cache hits copied rather than computed, prompts
-longer than a chunk over several steps in a staging slot), then decodes one token
+longer than a chunk over several steps in a staging slot; prompt log-probs scored
+from the same forward, prompt_logprobs.py), then decodes one token
 for every running sample. Samples leave the batch the moment they finish, and the last one
 moves into the freed slot, so decode slots stay 0..B-1. The `n` samples of a request
 share its prefill and copy its keys and values. Every token is stamped with the weight
@@ -63,6 +64,7 @@ class Scheduler:
         self.weight_version = 0  # stamped on every sampled token
         self.weights_epoch = 0  # bumped by every weight update
         self.generated_tokens = 0
+        self._prefilling: list[Request] = []  # the requests of the prefill forward running
 
     @property
     def waiting(self) -> deque[Request]:
@@ -107,8 +109,12 @@ class Scheduler:
         rows = self.prefill.plan(
             admit=admit, running=len(self.running), weights_epoch=self.weights_epoch
         )
+        # admitted directly, they are in no queue until their samples start: a failing
+        # forward must still reach them (fail_all)
+        self._prefilling = [request for request, _, _, _ in rows]
         if rows:
             self._run_prefill(rows, outbox)
+        self._prefilling = []
         if self.running:
             self._decode(outbox)
         _emit(outbox)
@@ -117,11 +123,7 @@ class Scheduler:
 
     def _run_prefill(self, rows: list[Row], outbox: Outbox) -> None:
         """One forward over every row; prompts that are complete start their samples."""
-        logits = self.runner.prefill(  # (R, V): each row's last position
-            [slot for _, slot, _, _ in rows],
-            [r.prompt[s:e] for r, _, s, e in rows],
-            [s for _, _, s, _ in rows],
-        )
+        logits = self._prefill_forward(rows)  # (R, V): each row's last position
         direct = [(i, row) for i, row in enumerate(rows) if row[0].staging_slot < 0]
         staged = [(i, row) for i, row in enumerate(rows) if row[0].staging_slot >= 0]
         for i, (request, slot, _, end) in direct:
@@ -133,6 +135,21 @@ class Scheduler:
             if request.weights_epoch == self.weights_epoch:
                 self.prefix_cache.store(request.prompt, slot, end)
             self._start_samples(request, slot, logits[i], outbox)
+
+    def _prefill_forward(self, rows: list[Row]) -> torch.Tensor:
+        """The prefill forward; rows of requests that want prompt log-probs are scored."""
+        args = (
+            [slot for _, slot, _, _ in rows],
+            [r.prompt[s:e] for r, _, s, e in rows],
+            [s for _, _, s, _ in rows],
+        )
+        if all(r.prompt_scores is None for r, _, _, _ in rows):
+            return self.runner.prefill(*args)
+        logits, hidden = self.runner.prefill_states(*args)  # (R, V), (R, T, hidden)
+        for i, (request, _, start, end) in enumerate(rows):
+            if request.prompt_scores is not None:
+                request.prompt_scores.add_chunk(self.runner.logits, hidden[i, : end - start], start)
+        return logits
 
     def _start_samples(self, request: Request, source_slot: int, logits, outbox: Outbox) -> None:
         """Place a prefilled request's samples in decode slots and sample their first tokens."""
@@ -197,6 +214,8 @@ class Scheduler:
             delta = TokenDelta(
                 s.index, [token], [out.logprobs[j]], [version], top, reason, stop_reason
             )
+            if len(s.tokens) == 1 and s.request.prompt_scores is not None:
+                delta.prompt_logprobs = s.request.prompt_scores.result()
             outbox.setdefault(s.request, []).append(delta)
             if reason is not None:
                 finished.append(s)
@@ -254,7 +273,7 @@ class Scheduler:
         return open_samples
 
     def _all_requests(self) -> list[Request]:
-        requests = self.prefill.requests() + [s.request for s in self.running]
+        requests = self.prefill.requests() + self._prefilling + [s.request for s in self.running]
         return list(dict.fromkeys(requests))
 
     def abort_all(self) -> None:
@@ -270,6 +289,7 @@ class Scheduler:
             self.live.pop(request.id, None)
             _raise_in_consumer(request, exc)
         self.prefill.clear()
+        self._prefilling = []
         self.running.clear()
 
 

@@ -18,6 +18,7 @@ MAX_TEMPERATURE = 100.0  # logits / 100 is already uniform for any practical pur
 MAX_TOP_K = 2**31 - 1  # anything above the vocabulary means "no top-k"
 MAX_SEED = 2**63  # exclusive: seed + sample index must stay a valid torch seed
 MAX_TOP_LOGPROBS = 20
+MAX_PROMPT_LOGPROBS = 20  # top-k per prompt position (vLLM's default max_logprobs)
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -57,6 +58,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     top_logprobs: int = 0  # how many alternatives to report per token (0 = none)
+    # None: no prompt log-probs; k >= 0: every prompt token's log-prob plus the k most
+    # likely tokens at each position, under the raw model distribution (see PromptLogprobs)
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Refuse (400, naming the field) any value the sampler cannot honour exactly."""
@@ -87,6 +91,11 @@ class SamplingParams:
             "top_logprobs",
             f"must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
         )
+        _require(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS,
+            "prompt_logprobs",
+            f"must be null or between 0 and {MAX_PROMPT_LOGPROBS}, got {self.prompt_logprobs}",
+        )
         self._validate_stops()
 
     def _validate_stops(self) -> None:
@@ -114,6 +123,23 @@ def _require(ok: bool, param: str, problem: str) -> None:
 
 
 @dataclass
+class PromptLogprobs:
+    """Log-probs of a prompt's tokens, each given the tokens before it.
+
+    Entry i is about prompt token i + 1 (the first token has no context): `logprobs[i]`
+    is its log-probability, `ranks[i]` its rank in the vocabulary (1 = most likely; the
+    number of tokens at least as likely, itself included, as vLLM counts), and `top[i]`
+    the k most likely `(token_id, logprob)`, most likely first. The distribution is the
+    RAW model's (temperature 1, no top-k or top-p), whatever the request samples with:
+    what a trainer's forward at temperature 1 computes.
+    """
+
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]
+
+
+@dataclass
 class TokenDelta:
     """New tokens of one sample (`index` in 0..n-1) since its previous delta.
 
@@ -123,6 +149,8 @@ class TokenDelta:
     `(token_id, logprob)` alternatives when requested. A delta with
     `finish_reason` set is the last one for that index: "stop" (EOS, stop token
     or stop string), "length" (max_tokens or the context limit) or "abort".
+    The first delta of each sample of a request that asked for them carries the
+    prompt's `prompt_logprobs` (the same object for all `n` samples).
     """
 
     index: int
@@ -132,3 +160,4 @@ class TokenDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    prompt_logprobs: PromptLogprobs | None = None

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from asyncgrpo.engine.types import SamplingParams, TokenDelta
+from asyncgrpo.engine.types import PromptLogprobs, SamplingParams, TokenDelta
 from asyncgrpo.server.protocol import RequestLimits, check_context, check_sequences
 
 
@@ -92,6 +92,7 @@ class Choice:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # when the request asked for them
 
     def add(self, delta: TokenDelta, incremental: bool = True) -> str:
         """Record a delta; return its new text (only at the end unless `incremental`)."""
@@ -99,6 +100,8 @@ class Choice:
         self.logprobs += delta.logprobs
         self.versions += delta.versions
         self.top_logprobs += delta.top_logprobs or [[] for _ in delta.token_ids]
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is None:
             return self.text.push(delta.token_ids) if incremental else ""
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason

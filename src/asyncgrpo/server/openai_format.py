@@ -5,7 +5,8 @@ Kept apart from the routes so the JSON an RL client depends on is in one place:
 and the completions shape (`tokens`, `token_logprobs`, `top_logprobs`,
 `text_offset`); `token_ids`/`prompt_token_ids` when `return_token_ids` is set
 (chat: prompt ids at the top level; completions: per choice, as vLLM does);
-`stop_reason` as in vLLM; and our `weight_versions`, one per generated token.
+`stop_reason` as in vLLM; vLLM's per-choice `prompt_logprobs` on completions; and our
+`weight_versions`, one per generated token.
 
 Tool calls parsed out of the generated text become the message's `tool_calls`
 (finish reason `tool_calls`, as vLLM reports it); a stream of such a response is
@@ -22,6 +23,7 @@ from __future__ import annotations
 import time
 
 from asyncgrpo.agents.toolcalls import ParseResult
+from asyncgrpo.engine.types import PromptLogprobs
 from asyncgrpo.server.generation import Choice
 
 
@@ -85,6 +87,33 @@ def completion_logprobs(token_text: TokenText, ids, logprobs, tops, offset: int 
         "top_logprobs": top_dicts,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_json(
+    token_text: TokenText, prompt: list[int], scores: PromptLogprobs | None
+) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per position a dict
+    token id (a string, as JSON keys are) -> {logprob, rank, decoded_token}: the prompt
+    token with its rank in the vocabulary, then the top-k with ranks 1..k (the prompt
+    token once if it is among them)."""
+    if scores is None:
+        return None
+
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {
+            "logprob": json_logprob(logprob),
+            "rank": rank,
+            "decoded_token": token_text(token_id),
+        }
+
+    out: list[dict | None] = [None]
+    for i, (logprob, rank, top) in enumerate(zip(scores.logprobs, scores.ranks, scores.top)):
+        token = prompt[i + 1]
+        position = {str(token): entry(token, logprob, rank)}
+        for top_rank, (top_id, top_logprob) in enumerate(top, start=1):
+            position[str(top_id)] = entry(top_id, top_logprob, top_rank)
+        out.append(position)
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -171,6 +200,7 @@ def completion_choice(
         "finish_reason": c.finish_reason,
         "stop_reason": c.stop_reason,
         "weight_versions": c.versions,
+        "prompt_logprobs": prompt_logprobs_json(token_text, prompt, c.prompt_logprobs),
     }
     if with_ids:
         choice["token_ids"] = c.token_ids

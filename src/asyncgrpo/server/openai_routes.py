@@ -100,6 +100,10 @@ def chat_response(
         ],
     )
     response["usage"] = fmt.usage(job.prompt_tokens(), job.completion_tokens())
+    # vLLM's chat shape: one prompt, its prompt log-probs at the top level
+    response["prompt_logprobs"] = fmt.prompt_logprobs_json(
+        token_text, prompt, choices[0].prompt_logprobs if choices else None
+    )
     if body.return_token_ids:
         response["prompt_token_ids"] = prompt
     return response

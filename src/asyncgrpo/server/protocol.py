@@ -21,7 +21,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncgrpo.engine.types import MAX_TOP_LOGPROBS, RequestError, SamplingParams
+from asyncgrpo.engine.types import (
+    MAX_PROMPT_LOGPROBS,
+    MAX_TOP_LOGPROBS,
+    RequestError,
+    SamplingParams,
+)
 
 MAX_TEMPLATE_KWARGS = 16
 MAX_TEMPLATE_KWARG_CHARS = 1024
@@ -118,7 +123,13 @@ class StreamOptions(BaseModel):
 
 
 class GenerationRequest(BaseModel):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions.
+
+    `prompt_logprobs` (vLLM's): None, or k >= 0 for the log-prob of every prompt token
+    given the tokens before it plus the k most likely tokens at each position, under the
+    raw model distribution (temperature 1, no top-k or top-p) whatever the sampling
+    settings; not with `stream`, as in vLLM.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
@@ -142,6 +153,7 @@ class GenerationRequest(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -157,6 +169,7 @@ class GenerationRequest(BaseModel):
     def check(self, limits: RequestLimits, prompts: int = 1) -> None:
         """Refuse bad values (400 naming the field) before any work is done for the request."""
         _require_at_least_one("max_tokens", self.max_tokens)
+        self.check_prompt_logprobs()
         requested = self.requested_max_tokens()
         max_tokens = 1 if requested is None else requested  # the default depends on the prompt
         params = self.sampling_params(max_tokens, self.top_logprobs_count())
@@ -167,6 +180,21 @@ class GenerationRequest(BaseModel):
                 f"stop_token_ids must be in [0, {limits.vocab_size})", 400, "stop_token_ids"
             )
         check_sequences(prompts, self.n, limits)
+
+    def check_prompt_logprobs(self) -> None:
+        k = self.prompt_logprobs
+        if k is None:
+            return
+        if not 0 <= k <= MAX_PROMPT_LOGPROBS:
+            raise RequestError(
+                f"prompt_logprobs must be null or between 0 and {MAX_PROMPT_LOGPROBS}, got {k}",
+                400,
+                "prompt_logprobs",
+            )
+        if self.stream:
+            raise RequestError(
+                "prompt_logprobs are not available when stream=true", 400, "prompt_logprobs"
+            )
 
     def refuse_unsupported(self) -> None:
         if self.presence_penalty or self.frequency_penalty:
@@ -191,6 +219,7 @@ class GenerationRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             top_logprobs=top_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     @property

@@ -128,6 +128,13 @@ class RemoteEngine:
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The embedded engine's checks, and no seed for a vLLM that dies of one."""
         Engine.check_request(self, prompt_ids, params)
+        if params.prompt_logprobs is not None:  # not forwarded: refused, not dropped
+            raise RequestError(
+                "prompt_logprobs is not supported by a gateway to vLLM; ask the vLLM server "
+                f"at {self.upstream_url} directly",
+                400,
+                "prompt_logprobs",
+            )
         if params.seed is not None and not self.upstream.seeds_are_safe:
             raise RequestError(
                 f"seed is not supported: the vLLM server at {self.upstream_url} runs on "
