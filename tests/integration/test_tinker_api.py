@@ -296,8 +296,7 @@ def test_each_loss_and_its_gradient_equal_a_hand_computation(service, base_model
     tokens = list(range(100, 124))
     probe = datum(tokens, weights=np.ones(len(tokens) - 1))
     fixed, custom = (
-        service.create_lora_training_client(base_model=base_model, rank=4, seed=8)
-        for _ in range(2)
+        service.create_lora_training_client(base_model=base_model, rank=4, seed=8) for _ in range(2)
     )
     learner = fixed.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
     rng = np.random.default_rng(1)
@@ -336,3 +335,26 @@ def test_each_loss_and_its_gradient_equal_a_hand_computation(service, base_model
     moved = np.abs(after[0] - learner.to_numpy()).max()
     assert moved > 1e-3, moved
     assert np.abs(after[0] - after[1]).max() < 1e-3 * moved
+
+
+def test_compute_logprobs_equals_the_trainers_forward(service, base_model):
+    """Prompt log-probs (`compute_logprobs`, and `sample` with top-k prompt log-probs) are
+    the learner's log-probs of the same tokens, under the same weights."""
+    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=9)
+    tokens = [21, 5, 77, 130, 9, 41, 300, 12]
+    trainer.forward_backward([datum(tokens, weights=np.ones(7))], "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler = trainer.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints(tokens)
+    scored = sampler.compute_logprobs(prompt).result()
+    learner = trainer.forward([datum(tokens, weights=np.ones(7))], "cross_entropy").result()
+    expected = learner.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert scored[0] is None and len(scored) == len(tokens)
+    assert np.max(np.abs(np.array(scored[1:]) - expected)) < TOLERANCE_FP32
+    params = types.SamplingParams(max_tokens=1, seed=0)
+    top = sampler.sample(
+        prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3
+    ).result()
+    rows = top.topk_prompt_logprobs
+    assert rows[0] is None and all(len(row) == 3 for row in rows[1:])
+    assert all(row[0][1] >= row[1][1] >= row[2][1] for row in rows[1:])

@@ -135,11 +135,14 @@ def engine_args(call: SampleCall) -> dict:
         args["stop_token_ids"] = list(call.stop_token_ids)
     if call.stop_strings:
         args["stop"] = list(call.stop_strings)
+    if call.prompt_logprobs or call.topk_prompt_logprobs:
+        args["prompt_logprobs"] = call.topk_prompt_logprobs
     return args
 
 
-def sample_response(completion) -> bytes:
-    """The protobuf `SampleResponse` of an engine completion (one sequence per sample)."""
+def sample_response(completion, call: SampleCall) -> bytes:
+    """The protobuf `SampleResponse` of an engine completion (one sequence per sample),
+    with the prompt's log-probs (raw distribution, `None` first) when asked."""
     sequences = [
         SampledSequence(
             tokens=sample.token_ids,
@@ -148,4 +151,9 @@ def sample_response(completion) -> bytes:
         )
         for sample in completion.samples
     ]
-    return encode_sample_response(sequences)
+    return encode_sample_response(
+        sequences,
+        completion.prompt_logprobs if call.prompt_logprobs else None,
+        completion.prompt_top_logprobs if call.topk_prompt_logprobs else None,
+        prompt_logprobs_last_n=call.prompt_logprobs_last_n,
+    )

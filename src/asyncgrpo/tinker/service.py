@@ -238,11 +238,6 @@ class TinkerService:
     def sample(self, call: SampleCall) -> dict:
         sampler = self.samplers.get(call.sampling_session_id)
         call = check_sample(call, self.served.vocab_size, self.served.max_length)
-        if call.prompt_logprobs or call.topk_prompt_logprobs:
-            raise TinkerUserError(
-                "prompt_logprobs",
-                "prompt log-probs (compute_logprobs) are not served by asyncgrpo tinker-serve yet",
-            )
 
         async def run() -> Outcome:
             key, weights = self._weights_of(sampler)
@@ -250,7 +245,7 @@ class TinkerService:
                 completion = await self.backend.client.complete(
                     call.prompt.tolist(), **engine_args(call)
                 )
-            return Outcome(proto=sample_response(completion))
+            return Outcome(proto=sample_response(completion, call))
 
         key = ("sample", call.sampling_session_id, call.seq_id) if call.seq_id else None
         request_id = self.futures.submit(key, run)
