@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from asyncgrpo.trainer.batch import StepTotals
-from asyncgrpo.trainer.packing import pad_ragged, plan_micro_batches
+from asyncgrpo.trainer.packing import plan_micro_batches
 
 InputArray = np.ndarray | torch.Tensor | Sequence[float]
 
@@ -168,8 +168,9 @@ def padded_inputs(datums: Sequence[TrainDatum], device: torch.device) -> dict[st
                 f"datums carry different inputs: {sorted(names)} and {sorted(d.inputs)}"
             )
     return {
-        name: pad_ragged([torch.as_tensor(d.inputs[name], dtype=torch.float32) for d in datums])[
-            0
-        ].to(device)
+        name: torch.nn.utils.rnn.pad_sequence(
+            [torch.as_tensor(d.inputs[name], dtype=torch.float32) for d in datums],
+            batch_first=True,
+        ).to(device)  # (B, T)
         for name in names
     }

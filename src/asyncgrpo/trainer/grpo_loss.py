@@ -9,24 +9,22 @@ group id, so a group's samples share their prompt in one packed forward.
 `grpo_loss` is the recipe's loss (`losses.compute_loss` over `LossInputs`) as a
 `forward_backward` loss function. It closes over the whole step's counts, so every
 micro-batch's loss is a term of the step's loss and accumulation is exact; with
-`loss.beta > 0` it computes the micro-batch's reference log-probs itself.
+`loss.beta > 0` it asks for the micro-batch's reference log-probs itself.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from asyncgrpo.config import LossConfig
 from asyncgrpo.rollout.types import Rollout
 from asyncgrpo.trainer.batch import Prepared
 from asyncgrpo.trainer.datums import LossFn, MicroBatch, TrainDatum
 from asyncgrpo.trainer.losses import LossInputs, compute_loss
 from asyncgrpo.trainer.packing import pad_ragged
-
-if TYPE_CHECKING:
-    from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
 
 def grpo_datums(batch: Prepared) -> list[TrainDatum]:
@@ -59,10 +57,16 @@ PADDING = grpo_datum(
 )
 
 
-def grpo_loss(trainer: PolicyTrainer, counts: dict[str, float]) -> LossFn:
-    """The recipe's loss for micro-batches of `grpo_datums`, normalised by the whole
-    step's `counts` (`Prepared.counts`)."""
-    current = trainer.trainer_cfg.old_logprobs == "current"
+def grpo_loss(
+    cfg: LossConfig,
+    counts: dict[str, float],
+    old_is_current: bool,
+    reference: Callable[[list[TrainDatum]], torch.Tensor | None],
+) -> LossFn:
+    """The recipe's loss `cfg` for micro-batches of `grpo_datums`, normalised by the whole
+    step's `counts` (`Prepared.counts`). `old_is_current`: π_old is the policy detached
+    (`trainer.old_logprobs: current`), else the engine's; `reference(datums)`: the (B, T)
+    reference log-probs of a micro-batch for the KL, or None."""
 
     def loss(batch: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logprobs = batch.logprobs  # (B, T)
@@ -72,31 +76,14 @@ def grpo_loss(trainer: PolicyTrainer, counts: dict[str, float]) -> LossFn:
             engine_logprobs=batch.inputs["engine_logprobs"],
             advantages=torch.tensor(advantages, dtype=torch.float32, device=logprobs.device),
             mask=batch.mask,
-            old_logprobs=logprobs.detach() if current else None,
-            ref_logprobs=reference_logprobs(trainer, batch.datums),
+            old_logprobs=logprobs.detach() if old_is_current else None,
+            ref_logprobs=reference(batch.datums),
             entropy=batch.entropy,
             **counts,
         )
-        return compute_loss(inputs, trainer.loss_cfg)
+        return compute_loss(inputs, cfg)
 
     return loss
-
-
-def reference_logprobs(trainer: PolicyTrainer, datums: list[TrainDatum]) -> torch.Tensor | None:
-    """(B, T) the reference policy's log-probs of the datums' targets (policy layout), or
-    None without a reference (`loss.beta` 0)."""
-    if trainer.reference is None:
-        return None
-    with trainer.autocast():
-        ref = trainer.reference.logprobs(
-            [d.tokens for d in datums],
-            [d.loss_start for d in datums],
-            trainer.temperature,
-            trainer.top_p,
-            trainer.attention,
-            targets=[d.targets for d in datums],
-        )
-    return pad_ragged(ref)[0]
 
 
 def sampled_mask(rollouts: list[Rollout], width: int) -> torch.Tensor:

@@ -148,14 +148,12 @@ class PolicyTrainer:
 
     def autocast(self):
         """The forwards' autocast: bf16 where the recipe asks for it, else nothing."""
-        if self.bf16_autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
+        on = self.bf16_autocast
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if on else nullcontext()
 
     @torch.no_grad()
     def forward(self, datums: Sequence[TrainDatum]) -> list[torch.Tensor]:
-        """Per datum, the (num_targets,) fp32 log-probs of its targets: the packed
-        micro-batches of `forward_backward`, without gradients or any change of state."""
+        """Per datum, the (num_targets,) fp32 log-probs of its targets; no grad, no state."""
         out = [torch.zeros(0, device=self.device) for _ in datums]
         for micro in plan_datums(datums, self.trainer_cfg.micro_batch_tokens):
             packed = self._packed_logprobs([datums[i] for i in micro], with_entropy=False)
@@ -167,7 +165,7 @@ class PolicyTrainer:
         self, datums: Sequence[TrainDatum], loss: LossFn, *, with_entropy: bool = False
     ) -> ForwardBackwardResult:
         """Forward and backward over `datums` in packed micro-batches of at most
-        `trainer.micro_batch_tokens` tokens (a group's datums together); the gradients
+        `trainer.micro_batch_tokens` tokens (a group's datums together); gradients
         accumulate, across calls too, until `optim_step`.
 
         `loss` takes one `MicroBatch` and returns its scalar loss and metrics; the trainer
@@ -216,13 +214,28 @@ class PolicyTrainer:
                 targets=targets if any(t is not None for t in targets) else None,
             )
 
+    def reference_logprobs(self, datums: list[TrainDatum]) -> torch.Tensor | None:
+        """(B, T) the KL reference's log-probs of the datums' targets, or None (`beta` 0)."""
+        if self.reference is None:
+            return None
+        with self.autocast():
+            ref = self.reference.logprobs(
+                [d.tokens for d in datums],
+                [d.loss_start for d in datums],
+                self.temperature,
+                self.top_p,
+                self.attention,
+                targets=[d.targets for d in datums],
+            )
+        return pad_ragged(ref)[0]
+
     def optim_step(self, adam: AdamParams | None = None) -> float:
         """One optimizer step on the accumulated gradients (first averaged over the
         data-parallel ranks); the global gradient norm before clipping. Bumps `version`.
 
-        `adam=None`: the recipe's AdamW, learning-rate schedule and `max_grad_norm`. With
-        `AdamParams` (Tinker's `optim_step`): those numbers for this step, no schedule;
-        `grad_clip_norm` 0 clips nothing. A trainer is driven by one of the two.
+        `adam=None`: the recipe's AdamW, schedule and `max_grad_norm`. `AdamParams` (Tinker's
+        `optim_step`): those numbers for this step, no schedule; `grad_clip_norm` 0 clips
+        nothing. A trainer is driven by one of the two.
         """
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.gradient_sync is not None:
@@ -281,9 +294,9 @@ class PolicyTrainer:
         )
 
     def accumulate(self, batch: Prepared) -> StepTotals:
-        """`forward_backward` of the recipe's loss over `batch` (`grpo_loss.py`); the
-        gradients accumulate."""
-        loss = grpo_loss(self, batch.counts)
+        """`forward_backward` of the recipe's loss over `batch` (`grpo_loss.py`)."""
+        current = self.trainer_cfg.old_logprobs == "current"
+        loss = grpo_loss(self.loss_cfg, batch.counts, current, self.reference_logprobs)
         result = self.forward_backward(grpo_datums(batch), loss, with_entropy=True)
         totals = result.totals
         # sharded ranks all-gather in every forward: each runs the step's most micro-batches
