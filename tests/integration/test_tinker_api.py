@@ -8,68 +8,24 @@ the sampler's log-probs agree to ~1e-5); every test talks to it only through
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
 import torch
-import uvicorn
-
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.ports import free_port
+from tinker_server import API_KEY, datum, serve_tinker
 
 pytest.importorskip("peft")
-
 tinker = pytest.importorskip("tinker")
 types = tinker.types
-
-from asyncgrpo.tinker.app import create_app  # noqa: E402 (needs the SDK)
-from asyncgrpo.tinker.build import build_service  # noqa: E402
-
-API_KEY = "tml-asyncgrpo-test-key"
 TOLERANCE_FP32 = 1e-4
 
 
 @pytest.fixture(scope="module")
 def server_url(tiny_model_dir, tmp_path_factory):
-    """`create_app` over `build_service`, as `asyncgrpo tinker-serve` runs them, served by
-    uvicorn on a thread of the test process (the engine is its own process, as there)."""
-    engine = EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1)
-    state = tmp_path_factory.mktemp("tinker-state")
-    service = build_service(str(tiny_model_dir), tiny_model_dir, engine, state)
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(service, API_KEY), host="127.0.0.1", port=port, log_level="warning"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="tinker-serve", daemon=True)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tinker-serve's --trainer-threads default, beside the engine's 1
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, thread)
+    with serve_tinker(tiny_model_dir, tmp_path_factory.mktemp("tinker-state")) as url:
         yield url
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        torch.set_num_threads(threads)
-
-
-def _wait_healthy(url: str, thread: threading.Thread, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not thread.is_alive():
-            raise RuntimeError("the tinker server stopped while starting (see the log above)")
-        try:  # uvicorn answers once the app's startup (the engine ready) is done
-            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("tinker-serve did not start")
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +38,6 @@ def service(server_url):
 @pytest.fixture(scope="module")
 def base_model(tiny_model_dir):
     return str(tiny_model_dir)
-
-
-def datum(tokens: list[int], **inputs) -> types.Datum:
-    """A datum whose position i predicts tokens[i + 1] (the SDK's usual shift)."""
-    model_input = types.ModelInput.from_ints(tokens[:-1])
-    loss_inputs = {"target_tokens": types.TensorData.from_numpy(np.array(tokens[1:]))}
-    for name, values in inputs.items():
-        loss_inputs[name] = types.TensorData.from_numpy(np.asarray(values, dtype=np.float32))
-    return types.Datum(model_input=model_input, loss_fn_inputs=loss_inputs)
 
 
 def test_sft_with_cross_entropy_lowers_the_loss(service, base_model):
