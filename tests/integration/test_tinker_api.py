@@ -41,7 +41,7 @@ def base_model(tiny_model_dir):
 
 
 def test_sft_with_cross_entropy_lowers_the_loss(service, base_model):
-    trainer = service.create_lora_training_client(base_model=base_model, rank=8, seed=0)
+    trainer = service.create_lora_training_client(base_model=base_model, rank=8, seed=0).result()
     tokens = list(range(5, 25))
     sft = datum(tokens, weights=np.ones(len(tokens) - 1))
     losses = []
@@ -56,8 +56,8 @@ def test_sft_with_cross_entropy_lowers_the_loss(service, base_model):
 
 
 def test_the_trainer_scores_a_sample_as_the_sampler_did(service, base_model):
-    trainer = service.create_lora_training_client(base_model=base_model, rank=8, seed=1)
-    sampler = trainer.save_weights_and_get_sampling_client()
+    trainer = service.create_lora_training_client(base_model=base_model, rank=8, seed=1).result()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints([3, 14, 15, 92, 65])
     params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=7, stop=[])
     result = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
@@ -72,7 +72,7 @@ def test_the_trainer_scores_a_sample_as_the_sampler_did(service, base_model):
 
 
 def test_a_snapshot_keeps_its_weights_and_inflight_follows(service, base_model):
-    trainer = service.create_lora_training_client(base_model=base_model, rank=8, seed=2)
+    trainer = service.create_lora_training_client(base_model=base_model, rank=8, seed=2).result()
     prompt = types.ModelInput.from_ints([7, 8, 9, 10])
     params = types.SamplingParams(max_tokens=8, seed=3, stop=[])
 
@@ -80,8 +80,8 @@ def test_a_snapshot_keeps_its_weights_and_inflight_follows(service, base_model):
         seq = client.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
         return list(seq.tokens), list(seq.logprobs)
 
-    old = trainer.save_weights_and_get_sampling_client(kind="snapshot")
-    inflight = trainer.save_weights_and_get_sampling_client(kind="inflight")
+    old = trainer.save_weights_and_get_sampling_client(kind="snapshot").result()
+    inflight = trainer.save_weights_and_get_sampling_client(kind="inflight").result()
     before = draw(old)
     assert draw(inflight) == before  # same weights so far
     tokens = prompt.to_ints() + before[0]
@@ -89,7 +89,7 @@ def test_a_snapshot_keeps_its_weights_and_inflight_follows(service, base_model):
     for _ in range(3):
         trainer.forward_backward([sft], "cross_entropy").result()
         trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    new = trainer.save_weights_and_get_sampling_client()
+    new = trainer.save_weights_and_get_sampling_client().result()
     trained = draw(new)
     assert trained[1] != before[1]  # the new sampler serves the trained weights
     assert draw(inflight) == trained  # inflight follows the newest weights
@@ -97,8 +97,8 @@ def test_a_snapshot_keeps_its_weights_and_inflight_follows(service, base_model):
 
 
 def test_two_models_train_independently(service, base_model):
-    a = service.create_lora_training_client(base_model=base_model, rank=4, seed=3)
-    b = service.create_lora_training_client(base_model=base_model, rank=4, seed=3)
+    a = service.create_lora_training_client(base_model=base_model, rank=4, seed=3).result()
+    b = service.create_lora_training_client(base_model=base_model, rank=4, seed=3).result()
     probe = datum(list(range(30, 45)), weights=np.ones(14))
     before = b.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
     sft = datum(list(range(30, 45)), weights=np.ones(14))
@@ -113,7 +113,7 @@ def test_two_models_train_independently(service, base_model):
 def test_bad_inputs_fail_fast_as_user_errors_and_the_server_keeps_serving(
     service, base_model, server_url
 ):
-    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=4)
+    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=4).result()
     good = datum(list(range(5, 15)), weights=np.ones(9))
     cases = {  # what is wrong -> the request field the error must name
         "unknown loss": ([good], "no_such_loss", "loss_fn"),
@@ -146,7 +146,7 @@ def test_bad_inputs_fail_fast_as_user_errors_and_the_server_keeps_serving(
 
 
 def test_saved_state_restores_bit_identical_and_takes_the_same_next_step(service, base_model):
-    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=5)
+    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=5).result()
     sft = datum(list(range(50, 70)), weights=np.ones(19))
     adam = types.AdamParams(learning_rate=2e-2)
     for _ in range(2):
@@ -172,7 +172,7 @@ def test_saved_state_restores_bit_identical_and_takes_the_same_next_step(service
 
 
 def test_a_named_sampler_path_serves_its_weights_to_a_new_sampling_client(service, base_model):
-    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=6)
+    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=6).result()
     sft = datum(list(range(80, 95)), weights=np.ones(14))
     trainer.forward_backward([sft], "cross_entropy").result()
     trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
@@ -188,8 +188,8 @@ def test_a_named_sampler_path_serves_its_weights_to_a_new_sampling_client(servic
 def test_sampling_completes_while_a_long_forward_backward_runs(service, base_model):
     """The engine is its own process: a sample submitted after a long forward_backward
     finishes before it, as an asynchronous RL client needs."""
-    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=7)
-    sampler = trainer.save_weights_and_get_sampling_client(kind="inflight")
+    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=7).result()
+    sampler = trainer.save_weights_and_get_sampling_client(kind="inflight").result()
     prompt = types.ModelInput.from_ints([11, 12, 13])
     params = types.SamplingParams(max_tokens=4, seed=1, stop=[])
     sampler.sample(prompt, 1, params).result()  # the engine holds this sampler's weights
@@ -243,7 +243,8 @@ def test_each_loss_and_its_gradient_equal_a_hand_computation(service, base_model
     tokens = list(range(100, 124))
     probe = datum(tokens, weights=np.ones(len(tokens) - 1))
     fixed, custom = (
-        service.create_lora_training_client(base_model=base_model, rank=4, seed=8) for _ in range(2)
+        service.create_lora_training_client(base_model=base_model, rank=4, seed=8).result()
+        for _ in range(2)
     )
     learner = fixed.forward([probe], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
     rng = np.random.default_rng(1)
@@ -287,11 +288,11 @@ def test_each_loss_and_its_gradient_equal_a_hand_computation(service, base_model
 def test_compute_logprobs_equals_the_trainers_forward(service, base_model):
     """Prompt log-probs (`compute_logprobs`, and `sample` with top-k prompt log-probs) are
     the learner's log-probs of the same tokens, under the same weights."""
-    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=9)
+    trainer = service.create_lora_training_client(base_model=base_model, rank=4, seed=9).result()
     tokens = [21, 5, 77, 130, 9, 41, 300, 12]
     trainer.forward_backward([datum(tokens, weights=np.ones(7))], "cross_entropy").result()
     trainer.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    sampler = trainer.save_weights_and_get_sampling_client()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(tokens)
     scored = sampler.compute_logprobs(prompt).result()
     learner = trainer.forward([datum(tokens, weights=np.ones(7))], "cross_entropy").result()
