@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-heavy test-all test-slow test-fuzz test-vllm test-ray test-gpu lint format bench bench-e2e clean
+.PHONY: demo test test-heavy test-all test-slow test-fuzz test-vllm test-ray test-cookbook cookbook-venv test-gpu lint format bench bench-e2e clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -61,6 +61,23 @@ test-ray: $(RAY_STAMP) $(VLLM_VENV)/.installed
 	ASYNCGRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
 		timeout 900 $(BIN)/python -m pytest -q -m ray tests/integration/test_ray_cluster.py \
 		tests/vllm/test_ray_vllm.py tests/integration/test_benchmarks_smoke.py
+
+# tinker-cookbook's `rl.train`, unmodified, against `asyncgrpo tinker-serve`: builds
+# .venv-cookbook (tinker-cookbook 0.5.8, what pip resolves here, with its own transformers and
+# protobuf, hence its own environment; CPU torch first, as above) and runs
+# tests/integration/test_tinker_cookbook.py, which skips where that environment is missing.
+COOKBOOK_VENV := .venv-cookbook
+$(COOKBOOK_VENV)/.installed:
+	$(PY) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_VENV)/bin/pip install -q torch==2.13.0
+	$(COOKBOOK_VENV)/bin/pip install -q tinker-cookbook==0.5.8
+	touch $@
+
+cookbook-venv: $(COOKBOOK_VENV)/.installed
+
+test-cookbook: $(STAMP) $(COOKBOOK_VENV)/.installed
+	ASYNCGRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python \
+		timeout 900 $(BIN)/python -m pytest -q -m slow tests/integration/test_tinker_cookbook.py
 
 # The trainer on a CUDA GPU (trainer.device, FSDP2 over NCCL, a CLI run): tests marked `gpu`,
 # skipped where torch sees no GPU. Needs a CUDA build of torch in .venv (not the CPU pin).

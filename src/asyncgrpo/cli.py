@@ -17,7 +17,9 @@ The connection limits and timeouts (`server/connections.py`) are fields too.
 snapshot (`RUN_DIR/weights/step-N.safetensors`): neither is a model directory, so it is
 exported (`asyncgrpo.export`, LoRA merged) into a temporary directory served from there.
 `train` hands over to `asyncgrpo.run.main`. `export` writes a run's trained policy as
-a model (or LoRA adapter) directory (`asyncgrpo.export`). Errors a user can fix (a wrong
+a model (or LoRA adapter) directory (`asyncgrpo.export`), or a `tinker-serve` saved
+state, named by its `tinker://` path and `--state-dir` or by its directory, the same way
+(`asyncgrpo.tinker.export`). Errors a user can fix (a wrong
 model path, a missing package, a bad value) print one line and exit non-zero,
 without a traceback.
 """
@@ -178,7 +180,12 @@ def add_export_parser(commands) -> None:
     export = commands.add_parser(
         "export", help="write a run's trained model (or LoRA adapter) as a loadable directory"
     )
-    export.add_argument("run_dir", help="the run directory (holds config.yaml, checkpoints/)")
+    export.add_argument(
+        "run_dir",
+        metavar="SOURCE",
+        help="the run directory (holds config.yaml, checkpoints/), or a Tinker saved state: "
+        "its directory, or the tinker://MODEL_ID/weights/NAME path with --state-dir",
+    )
     export.add_argument("out_dir", help="where to write it (must not exist, or be empty)")
     export.add_argument(
         "--step", type=int, help="the checkpoint or weights snapshot of this step (default: newest)"
@@ -187,6 +194,10 @@ def add_export_parser(commands) -> None:
         "--merged",
         action="store_true",
         help="LoRA runs: merge the adapter into the base model (default: the adapter alone)",
+    )
+    export.add_argument(
+        "--state-dir",
+        help="where `asyncgrpo tinker-serve --state-dir` saved a tinker:// SOURCE",
     )
 
 
@@ -253,10 +264,29 @@ def export(args: argparse.Namespace) -> int:
     from asyncgrpo.export import ExportError, export_run
 
     try:
-        print(export_run(args.run_dir, args.out_dir, step=args.step, merged=args.merged))
+        tinker_state = find_tinker_state(args.run_dir, args.state_dir)
+        if tinker_state is not None:
+            if args.step is not None:
+                raise ExportError("--step picks a run's checkpoint; a Tinker state has one")
+            from asyncgrpo.tinker.export import export_tinker_state
+
+            print(export_tinker_state(tinker_state, args.out_dir, merged=args.merged))
+        else:
+            print(export_run(args.run_dir, args.out_dir, step=args.step, merged=args.merged))
     except ExportError as exc:
         raise CliError(str(exc)) from None
     return 0
+
+
+def find_tinker_state(source: str, state_dir: str | None) -> Path | None:
+    """The Tinker saved state `source` names (`asyncgrpo.tinker.export`), else None."""
+    if not source.startswith("tinker://") and not Path(source, "state.json").is_file():
+        if state_dir is not None:
+            raise CliError("--state-dir goes with a tinker:// SOURCE")
+        return None  # a run directory: no need to import the Tinker package
+    from asyncgrpo.tinker.export import tinker_checkpoint
+
+    return tinker_checkpoint(source, state_dir)
 
 
 def build_engine(cfg: EmbeddedEngineConfig):
