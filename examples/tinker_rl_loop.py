@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="training steps (batches)")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
     parser.add_argument("--batch-prompts", type=int, default=4, help="prompts per step")
-    parser.add_argument("--lr", type=float, default=5e-4, help="Adam learning rate")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per completion")
     parser.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts")
