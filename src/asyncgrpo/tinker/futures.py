@@ -2,7 +2,7 @@
 is fetched later by long-polling, and a model's operations run in `seq_id` order.
 
 Why long-polling: the SDK polls `retrieve_future` with no pause between calls and a 45 s
-client timeout, so the server holds each poll until the result is ready or about 30 s have
+client timeout, so the server holds each poll until the result is ready or about 40 s have
 passed, then answers "try again". Why ordering on the server: the SDK submits a large
 `forward_backward` as chunks sent concurrently (the first chunk last) and lets the user
 queue `optim_step` behind it without waiting, so arrival order says nothing; `seq_id` does.
@@ -25,7 +25,9 @@ from asyncgrpo.tinker.errors import TinkerUserError, as_error_body
 
 logger = logging.getLogger(__name__)
 
-LONG_POLL_S = 30.0  # under the SDK's 45 s timeout on retrieve_future
+LONG_POLL_S = (
+    40.0  # under the SDK's 45 s timeout on retrieve_future (each "pending" logs a warning there)
+)
 KEEP_FINISHED = 4096  # finished results kept for late or repeated polls
 
 
