@@ -1,18 +1,25 @@
 """Running a script of `benchmarks/` as its users do, on a recipe for the tiny model.
 
 The smoke tests (`tests/integration/test_benchmarks_smoke.py`, and the vLLM systems in
-`tests/vllm/test_benchmarks_vllm.py`) start each script as a child process from the
-repository root, so they catch what rots in a script: an import that moved, a flag or
-a function that changed, a result file that lost a key.
+`tests/vllm/test_benchmarks_vllm.py`) run each script from the repository root, so they
+catch what rots in a script: an import that moved, a flag or a function that changed,
+a result file that lost a key. `run_benchmark` starts it as a child process;
+`run_benchmark_here` runs its `__main__` in the test process instead, for the scripts that
+would otherwise spend most of their few seconds importing torch and transformers again
+(the processes a script starts itself are still started).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import runpy
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 
 from asyncgrpo.testing import tiny_prompt_rows
@@ -36,6 +43,38 @@ def run_benchmark(script: str, *args: str, timeout: float = 300) -> str:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{output[-4000:]}"
     return output
+
+
+def run_benchmark_here(script: str, *args: str, timeout: float = 300) -> None:
+    """`python benchmarks/<script> ARGS` from the repository root, run in this process: its
+    `__main__` with that `sys.argv`, `benchmarks/` first on `sys.path`, the repository root
+    as working directory. A script that exits non-zero fails the test, one that runs past
+    `timeout` seconds is interrupted; torch's thread count and random state come back as
+    they were."""
+    path = BENCHMARKS / script
+
+    def ran_too_long(signum, frame):
+        raise AssertionError(f"{script} ran past {timeout:g} s")
+
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()
+    saved_argv, saved_path, saved_cwd = sys.argv, list(sys.path), os.getcwd()
+    previous = signal.signal(signal.SIGALRM, ran_too_long)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        sys.argv = [str(path), *args]
+        sys.path.insert(0, str(BENCHMARKS))
+        os.chdir(ROOT)
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as exited:  # `raise SystemExit(main())`, or argparse refusing
+            assert exited.code in (None, 0), f"{script} exited {exited.code}"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        os.chdir(saved_cwd)
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
 
 
 def write_tiny_recipe(directory: Path, model_dir: Path, **top_level) -> Path:
