@@ -102,11 +102,12 @@ def test_lora_apply(tmp_path, tiny_model_dir):
 def test_lora(tmp_path, tiny_model_dir):
     """The LoRA mode: its steps, gathers and one sync into a real embedded engine."""
     out = tmp_path / "lora.json"
-    run_benchmark(
+    run_benchmark_here(
         "lora.py",
         *("--model", str(tiny_model_dir), "--modes", "lora", "--groups", "1"),
         *("--group-size", "2", "--prompt-len", "8", "--completion-len", "17", "--steps", "1"),
         *("--gathers", "1", "--syncs", "1", "--out", str(out)),
+        inline_children=True,  # its worker too
     )
     (result,) = read_json(out)["results"]
     assert result["mode"] == "lora"
@@ -122,12 +123,13 @@ def test_lora(tmp_path, tiny_model_dir):
 
 def test_train_step_packing(tmp_path, tiny_model_dir):
     out = tmp_path / "train_step_packing.json"
-    run_benchmark(
+    run_benchmark_here(
         "train_step_packing.py",
         *("--model", str(tiny_model_dir), "--variants", "padded,packed_shared"),
         *("--repeats", "1", "--groups", "1", "--group-size", "2", "--prompt-min", "4"),
         *("--prompt-max", "8", "--completion-min", "2", "--completion-max", "8"),
         *("--threads", "1", "--out", str(out)),
+        inline_children=True,  # its workers too
     )
     padded, shared = read_json(out)["results"]
     assert (padded["variant"], shared["variant"]) == ("padded", "packed_shared")
@@ -174,7 +176,7 @@ def test_end_to_end_with_the_trl_baseline(tmp_path, tiny_recipe, tiny_model_dir)
         *("--recipe", str(tiny_recipe), "--systems", "async,trl", "--max-steps", "2"),
         *("--budget-s", "300", "--held-out", "4", "--score-steps", "1", "--trl-threads", "1"),
         *("--score-threads", "1", "--keep-weights", "--out", str(out)),
-        timeout=600,
+        timeout=600,  # trl_baseline.py in a process of its own: TRL imports break on test fakes
     )
     (run,) = read_json(out / "end_to_end.json")["runs"]
     systems = {row["system"]: row for row in run["systems"]}
