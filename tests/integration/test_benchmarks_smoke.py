@@ -176,7 +176,7 @@ def test_end_to_end_with_the_trl_baseline(tmp_path, tiny_recipe, tiny_model_dir)
         *("--recipe", str(tiny_recipe), "--systems", "async,trl", "--max-steps", "2"),
         *("--budget-s", "300", "--held-out", "4", "--score-steps", "1", "--trl-threads", "1"),
         *("--score-threads", "1", "--keep-weights", "--out", str(out)),
-        timeout=600,  # trl_baseline.py in a process of its own: TRL imports break on test fakes
+        timeout=600,  # trl_baseline.py keeps its process: here trl takes tests/vllm for vLLM
     )
     (run,) = read_json(out / "end_to_end.json")["runs"]
     systems = {row["system"]: row for row in run["systems"]}
