@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from benchmark_runs import run_benchmark, write_tiny_recipe
+from benchmark_runs import run_benchmark, run_benchmark_here, write_tiny_recipe
 from safetensors.torch import load_file
 
 LOCAL_SYSTEMS = "embedded,generate-bf16,generate-fp32"
@@ -31,7 +31,7 @@ def tiny_recipe(tiny_model_dir, tmp_path_factory):
 
 def test_engine_throughput(tmp_path):
     out = tmp_path / "engine_throughput.json"
-    run_benchmark(
+    run_benchmark_here(
         "engine_throughput.py",
         *("--tiny", "--systems", LOCAL_SYSTEMS, "--threads", "1", "--max-num-seqs", "8"),
         *("--max-model-len", "128", "--out", str(out)),
@@ -55,7 +55,7 @@ def test_engine_throughput(tmp_path):
 
 def test_server_load(tmp_path):
     out = tmp_path / "server_load.json"
-    run_benchmark(
+    run_benchmark_here(
         "server_load.py",
         *("--tiny", "--clients", "6", "--idle", "2", "--slow", "1", "--hold", "3"),
         *("--max-tokens", "4", "--threads", "1", "--engine", "header_timeout_s=1"),
@@ -73,7 +73,7 @@ def test_server_load(tmp_path):
 
 def test_base_rate(tmp_path, tiny_model_dir):
     out = tmp_path / "base_rate.json"
-    run_benchmark(
+    run_benchmark_here(
         "base_rate.py",
         *("--model", str(tiny_model_dir), "--tasks", "word_count", "--prompts", "2"),
         *("--num-generations", "2", "--max-tokens", "4", "--threads", "1", "--dtype", "float32"),
@@ -88,7 +88,7 @@ def test_base_rate(tmp_path, tiny_model_dir):
 
 def test_lora_apply(tmp_path, tiny_model_dir):
     out = tmp_path / "lora_apply.json"
-    run_benchmark(
+    run_benchmark_here(
         "lora_apply.py",
         *("--model", str(tiny_model_dir), "--batches", "1", "2", "--repeats", "1"),
         *("--syncs", "2", "--position", "8", "--out", str(out)),
@@ -102,11 +102,12 @@ def test_lora_apply(tmp_path, tiny_model_dir):
 def test_lora(tmp_path, tiny_model_dir):
     """The LoRA mode: its steps, gathers and one sync into a real embedded engine."""
     out = tmp_path / "lora.json"
-    run_benchmark(
+    run_benchmark_here(
         "lora.py",
         *("--model", str(tiny_model_dir), "--modes", "lora", "--groups", "1"),
         *("--group-size", "2", "--prompt-len", "8", "--completion-len", "17", "--steps", "1"),
         *("--gathers", "1", "--syncs", "1", "--out", str(out)),
+        inline_children=True,  # its worker too
     )
     (result,) = read_json(out)["results"]
     assert result["mode"] == "lora"
@@ -122,12 +123,13 @@ def test_lora(tmp_path, tiny_model_dir):
 
 def test_train_step_packing(tmp_path, tiny_model_dir):
     out = tmp_path / "train_step_packing.json"
-    run_benchmark(
+    run_benchmark_here(
         "train_step_packing.py",
         *("--model", str(tiny_model_dir), "--variants", "padded,packed_shared"),
         *("--repeats", "1", "--groups", "1", "--group-size", "2", "--prompt-min", "4"),
         *("--prompt-max", "8", "--completion-min", "2", "--completion-max", "8"),
         *("--threads", "1", "--out", str(out)),
+        inline_children=True,  # its workers too
     )
     padded, shared = read_json(out)["results"]
     assert (padded["variant"], shared["variant"]) == ("padded", "packed_shared")
@@ -137,9 +139,9 @@ def test_train_step_packing(tmp_path, tiny_model_dir):
     assert padded["tokens_per_s"] > 0 and shared["tokens_per_s"] > 0
 
 
-def data_parallel(tmp_path, *flags: str) -> list[dict]:
+def data_parallel(tmp_path, *flags: str, run=run_benchmark_here) -> list[dict]:
     out = tmp_path / "data_parallel.json"
-    run_benchmark(
+    run(
         "data_parallel.py",
         *("--tiny", "--steps", "1", "--groups", "1", "--group-size", "2", "--prompt-len", "8"),
         *("--completion-len", "20", "--out", str(out), *flags),
@@ -157,7 +159,7 @@ def test_data_parallel_one_process(tmp_path):
 
 @pytest.mark.heavy  # 2 ranks twice: make test-heavy, which CI runs
 def test_data_parallel_two_ranks(tmp_path):
-    rows = data_parallel(tmp_path)
+    rows = data_parallel(tmp_path, run=run_benchmark)  # ranks of a child process of its own
     assert [r["config"].split(" (")[0] for r in rows] == [
         "1 process",
         "2 ranks ddp",
@@ -169,12 +171,12 @@ def test_end_to_end_with_the_trl_baseline(tmp_path, tiny_recipe, tiny_model_dir)
     """asyncgrpo async and TRL's GRPOTrainer (`trl_baseline.py`) for 2 steps each, every
     snapshot scored afterwards."""
     out = tmp_path / "e2e"
-    run_benchmark(
+    run_benchmark_here(
         "end_to_end.py",
         *("--recipe", str(tiny_recipe), "--systems", "async,trl", "--max-steps", "2"),
         *("--budget-s", "300", "--held-out", "4", "--score-steps", "1", "--trl-threads", "1"),
         *("--score-threads", "1", "--keep-weights", "--out", str(out)),
-        timeout=600,
+        timeout=600,  # trl_baseline.py keeps its process: here trl takes tests/vllm for vLLM
     )
     (run,) = read_json(out / "end_to_end.json")["runs"]
     systems = {row["system"]: row for row in run["systems"]}

@@ -32,9 +32,9 @@ CALCULATOR = {
 }
 
 
-ENGINE_SETTINGS = dict(
-    max_num_seqs=4, served_model_name="tiny", max_body_mb=1
-)  # the `server` fixture of conftest.py
+# the `server` fixture of conftest.py, shared with test_server_openai and test_logprob_mismatch
+ENGINE_SETTINGS = dict(max_num_seqs=8, served_model_name="tiny", max_body_mb=1)
+SHARED_ENGINE = True  # reads only: no weight syncs
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,10 @@ GROWTH = 1.5
 """The last 5 steps' mean may exceed the first 5 steps' by this factor (measured 0.8-1.1:
 per-step values vary ±20% around a constant, a 5-step mean about ±10%)."""
 
+# the `server` fixture of conftest.py, shared with test_episodes and test_server_openai
+ENGINE_SETTINGS = dict(max_num_seqs=8, served_model_name="tiny", max_body_mb=1)
+SHARED_ENGINE = True  # reads only: it samples, the trainer here is its own
+
 
 def run_at_lr_0(tmp_path: Path, model_dir: Path, precision: str, **overrides) -> list[float]:
     """`STEPS` steps of a real run at learning rate 0; the per-step `mismatch_kl`."""

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncgrpo.client import EngineClient
 
-ENGINE_SETTINGS = dict(
-    max_num_seqs=8, served_model_name="tiny", max_body_mb=1
-)  # the `server` fixture of conftest.py
+# the `server` fixture of conftest.py, shared with test_episodes and test_logprob_mismatch
+ENGINE_SETTINGS = dict(max_num_seqs=8, served_model_name="tiny", max_body_mb=1)
+SHARED_ENGINE = True  # reads only: no weight syncs, every pause resumed
 
 
 @pytest.fixture(scope="module")

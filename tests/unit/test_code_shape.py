@@ -13,6 +13,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 import asyncgrpo
 
 PACKAGE = Path(asyncgrpo.__file__).parent
@@ -29,7 +31,10 @@ def parsed(paths: list[Path], relative_to: Path) -> list[tuple[Path, str, ast.Mo
     return out
 
 
+@pytest.fixture(scope="module")
 def modules() -> list[tuple[Path, str, ast.Module]]:
+    """The package parsed once for the module's tests (about a second per parse); they
+    only read it."""
     return parsed(list(PACKAGE.rglob("*.py")), PACKAGE)
 
 
@@ -59,8 +64,8 @@ def over_bounds(files: list[tuple[Path, str, ast.Module]]) -> list[str]:
     return too_long
 
 
-def test_no_file_class_or_function_over_its_bound():
-    too_long = over_bounds(modules())
+def test_no_file_class_or_function_over_its_bound(modules):
+    too_long = over_bounds(modules)
     assert not too_long, "\n".join(too_long)
 
 
@@ -72,9 +77,9 @@ def test_no_benchmark_script_over_the_bounds():
     assert not too_long, "\n".join(too_long)
 
 
-def test_no_two_public_classes_share_a_name():
+def test_no_two_public_classes_share_a_name(modules):
     where = defaultdict(list)
-    for path, _, tree in modules():
+    for path, _, tree in modules:
         for name, _ in spans(tree, (ast.ClassDef,)):
             if not name.startswith("_"):
                 where[name].append(str(path))
@@ -82,7 +87,7 @@ def test_no_two_public_classes_share_a_name():
     assert not shared, shared
 
 
-def test_the_checks_see_the_package():
+def test_the_checks_see_the_package(modules):
     # a bound that is never measured cannot fail: the walk must find the known big pieces
-    found = {name for _, _, tree in modules() for name, _ in spans(tree, (ast.ClassDef,))}
+    found = {name for _, _, tree in modules for name, _ in spans(tree, (ast.ClassDef,))}
     assert {"RolloutBuffer", "PolicyTrainer", "Scheduler"} <= found
