@@ -12,28 +12,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
-import uvicorn
-
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.ports import free_port
+from tinker_server import API_KEY, serve_tinker
 
 pytest.importorskip("peft")
 pytest.importorskip("tinker")
 
-from asyncgrpo.tinker.app import create_app  # noqa: E402 (needs the SDK)
-from asyncgrpo.tinker.build import build_service  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
-API_KEY = "tml-asyncgrpo-cookbook-test"
 
 
 @pytest.fixture(scope="module")
@@ -51,34 +42,9 @@ def cookbook_python() -> str:
 @pytest.fixture(scope="module")
 def served(cookbook_python, tiny_model_dir, tmp_path_factory):
     """(base url, state dir) of tinker-serve on the tiny model, fp32, uvicorn on a thread."""
-    engine = EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1)
     state = tmp_path_factory.mktemp("cookbook-state")
-    service = build_service(str(tiny_model_dir), tiny_model_dir, engine, state)
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(service, API_KEY), host="127.0.0.1", port=port, log_level="warning"
-        )
-    )
-    thread = threading.Thread(target=server.run, name="tinker-serve", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            assert thread.is_alive() and time.monotonic() < deadline, "tinker-serve did not start"
-            time.sleep(0.2)
+    with serve_tinker(tiny_model_dir, state) as url:
         yield url, state
-    finally:
-        server.should_exit = True
-        thread.join(60)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def run_cookbook(python: str, url: str, model_dir: Path, log_path: Path, *flags: str) -> list[dict]:
@@ -102,7 +68,9 @@ def saved_final_state(log_path: Path, state_dir: Path) -> Path:
     return state_dir / model_id.replace(":", "_") / kind / name
 
 
-def test_rl_train_runs_two_sync_steps_and_saves_its_final_state(served, tiny_model_dir, tmp_path):
+def test_rl_train_runs_two_sync_steps_and_saves_its_final_state(
+    cookbook_python, served, tiny_model_dir, tmp_path
+):
     url, state_dir = served
     metrics = run_cookbook(cookbook_python, url, tiny_model_dir, tmp_path / "log", "--steps", "2")
     assert [m["progress/batch"] for m in metrics] == [0, 1]
