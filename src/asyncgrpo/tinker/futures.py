@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -44,7 +43,6 @@ class Outcome:
 class _Entry:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: Outcome | None = None
-    finished_at: float = 0.0
 
 
 class FutureTable:
@@ -77,7 +75,6 @@ class FutureTable:
             if not isinstance(exc, TinkerUserError):
                 logger.exception("tinker operation failed")
             entry.outcome = Outcome(error=as_error_body(exc))
-        entry.finished_at = time.monotonic()
         entry.done.set()
         self._forget_old()
 

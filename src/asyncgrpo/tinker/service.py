@@ -82,7 +82,6 @@ class TinkerService:
         self.engine = EngineWeights(backend, lambda: base_adapter)
         self.sessions: dict[str, Session] = {}
         self._order: dict[str, SeqOrder] = {}
-        self._ranks: dict[str, int] = {}
         self._latest: dict[str, tuple[int, Any]] = {}  # model id → (version, its weights)
         self._trainer = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")
 
@@ -103,7 +102,7 @@ class TinkerService:
     # ---- training models ---------------------------------------------------------
 
     def create_model(self, call: CreateModelCall) -> dict:
-        session = self.session(call.session_id)
+        self.session(call.session_id)  # the model belongs to a live session
         model_id = call.model_id
         if call.base_model not in (self.served.name, self.served.directory):
             raise TinkerUserError(
@@ -122,7 +121,6 @@ class TinkerService:
             self.register_model(model_id)
             return Outcome(json={"type": "create_model", "model_id": model_id})
 
-        del session  # checked: the model belongs to a live session
         request_id = self.futures.submit(("create", model_id), lambda: self.in_trainer(create))
         return {"request_id": request_id, "model_id": model_id}
 
@@ -137,7 +135,7 @@ class TinkerService:
                 "arch": "llama",
             },
             "is_lora": True,
-            "lora_rank": self._ranks[model_id],
+            "lora_rank": self.models.spec(model_id).rank,
             "model_name": self.served.name,
         }
 
@@ -263,7 +261,6 @@ class TinkerService:
 
     def register_model(self, model_id: str) -> None:
         """A model just created (or loaded) in `models` takes requests: trainer thread."""
-        self._ranks[model_id] = self.models.spec(model_id).rank
         self.publish(model_id)
         self._order[model_id] = SeqOrder()
 
