@@ -24,6 +24,7 @@ import yaml
 
 from asyncgrpo.backend import EngineBackend, make_backend
 from asyncgrpo.config import ConfigError, RunConfig
+from asyncgrpo.environments import episode_source, wants_source
 from asyncgrpo.metrics.tracker import MetricsTracker
 from asyncgrpo.rollout.data import DatasetError, dataset_rows, load_prompts
 from asyncgrpo.rollout.rewards import RewardRunner, RewardSpecError
@@ -63,8 +64,8 @@ def _tokenizer_for(model: Any, tokenizer: Any) -> Any:
         ) from None
 
 
-def _check(cfg: RunConfig, funcs: list, agent: bool) -> None:
-    if agent and len(cfg.advantage.reward_weights or [1.0]) != 1:
+def _check(cfg: RunConfig, funcs: list, agent: bool, from_env: bool) -> None:
+    if agent and not from_env and len(cfg.advantage.reward_weights or [1.0]) != 1:
         raise ConfigError("advantage.reward_weights: an agent run has one reward (the rollout's)")
     if not funcs and not agent:
         raise ConfigError("no reward functions: set `rewards:` in the recipe or pass reward_funcs")
@@ -79,9 +80,14 @@ def _user_errors() -> Iterator[None]:
         raise ConfigError(str(exc)) from None
 
 
-def _prompt_rows(cfg: RunConfig, train: Any, held_out: Any, agent: bool) -> tuple[list, Any]:
+def _prompt_rows(
+    cfg: RunConfig, train: Any, held_out: Any, agent: bool, source: Any
+) -> tuple[list, Any]:
     """(train rows, held-out rows or None), read and checked: the recipe's `dataset:` unless
-    the API passed datasets."""
+    the API passed datasets, else the environment's own rows."""
+    if train is None and not cfg.dataset and getattr(source, "train_rows", None) is not None:
+        train = source.train_rows
+        held_out = source.eval_rows if held_out is None else held_out
     if train is None:
         train, loaded = load_prompts(cfg.dataset, cfg.seed)
         if held_out is None:
@@ -113,14 +119,24 @@ def build_run(
     train_dataset: Any = None,
     eval_dataset: Any = None,
     rollout_func: Any = None,
+    tools: list | None = None,
+    environment_factory: Any = None,
 ) -> RunContext:
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
-    agent = rollout_func is not None or cfg.agent.rollout is not None
-    with _user_errors():  # every input is checked before the engine starts
-        _check(cfg, funcs, agent)
-        train_rows, eval_rows = _prompt_rows(cfg, train_dataset, eval_dataset, agent)
-        _cwd_importable()
-        rewards = _rewards(cfg, funcs)
+    from_env = wants_source(cfg, tools, environment_factory)
+    agent = rollout_func is not None or cfg.agent.source is not None or from_env
+    rewards = source = None
+    try:
+        with _user_errors():  # every input is checked before the engine starts
+            _check(cfg, funcs, agent, from_env)
+            _cwd_importable()
+            rewards = _rewards(cfg, funcs)
+            if from_env:
+                source = _source(cfg, rewards, tools, environment_factory)
+            train_rows, eval_rows = _prompt_rows(cfg, train_dataset, eval_dataset, agent, source)
+    except BaseException:
+        _close_started(rewards, None, None, None, source)
+        raise
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
     engine = trainer = cluster = None
@@ -137,7 +153,7 @@ def build_run(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
         trainer = make_trainer(cfg, model, run_dir, model_dir, *_trainer_ranks(cfg, cluster))
-        builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func)
+        builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func, source)
         repeats = cfg.agent.eval_repeats if agent else 1  # sampled episodes: average some
         run = assemble_run(
             cfg,
@@ -152,11 +168,29 @@ def build_run(
             eval_repeats=repeats,
         )
     except BaseException:
-        _close_started(rewards, trainer, engine, cluster)
+        _close_started(rewards, trainer, engine, cluster, source)
         raise
+    if source is not None:
+        run.closers.extend(source.closers)
     if cluster is not None:
         run.closers.append(cluster.shutdown)  # after the engines and the ranks
     return run
+
+
+def _source(cfg: RunConfig, rewards: Any, tools: Any, environment_factory: Any) -> Any:
+    """The environment's episode source; its reward columns must match `reward_weights`."""
+    source = episode_source(
+        cfg, reward_funcs=rewards, tools=tools, environment_factory=environment_factory
+    )
+    weights = cfg.advantage.reward_weights
+    names = source.scorer.names if source.scorer is not None else ["reward"]
+    if weights is not None and len(weights) != len(names):
+        for close in source.closers:
+            close()
+        raise ConfigError(
+            f"advantage.reward_weights has {len(weights)} weights for the rewards {names}"
+        )
+    return source
 
 
 def _policy(cfg: RunConfig, model: Any, tokenizer: Any, model_dir: str) -> tuple[Any, Any]:
@@ -171,8 +205,10 @@ def _policy(cfg: RunConfig, model: Any, tokenizer: Any, model_dir: str) -> tuple
     return prepare_policy(cfg, model.float()), tokenizer
 
 
-def _close_started(rewards: Any, trainer: Any, engine: Any, cluster: Any) -> None:
+def _close_started(rewards: Any, trainer: Any, engine: Any, cluster: Any, source: Any) -> None:
     """Close what a failed `build_run` had started (None: not started)."""
+    for close in source.closers if source is not None else []:
+        close()
     if rewards is not None:
         rewards.close()
     if trainer is not None:
@@ -226,11 +262,12 @@ def _rewards(cfg: RunConfig, funcs: list) -> RewardRunner | None:
     )
 
 
-def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func):
-    """Agent episodes (`agent.rollout`, or a function passed in), else single-turn groups."""
+def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func, source=None):
+    """Agent episodes (an environment's `source`, `agent.rollout`, or a function passed in),
+    else single-turn groups."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     a = cfg.agent
-    if rollout_func is not None or a.rollout is not None:
+    if rollout_func is not None or a.rollout is not None or source is not None:
         from asyncgrpo.rollout.episodes import EpisodeGroupBuilder, EpisodeSettings, load_rollout
 
         settings = EpisodeSettings(
@@ -240,11 +277,23 @@ def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func):
             a.call_timeout_s,
             a.max_infra_retries,
             dict(a.failure_rewards),
+            scored_by_group=source is not None and source.scorer is not None,
         )
         if cfg.rollout.max_prompt_length is not None:
             logger.warning(
                 "rollout.max_prompt_length applies to single-turn rollouts only: "
                 "agent episodes ignore it (engine.max_model_len bounds them)"
+            )
+        if source is not None:
+            graders = None if source.scorer is not None else rewards
+            return EpisodeGroupBuilder(
+                client,
+                source.rollout,
+                settings,
+                decode,
+                graders=graders,
+                advantage=cfg.advantage,
+                scorer=source.scorer,
             )
         fn = rollout_func or load_rollout(a.rollout)
         return EpisodeGroupBuilder(

@@ -9,7 +9,7 @@ import torch
 
 from asyncgrpo.agents.runner import EpisodeOutcome
 from asyncgrpo.agents.trajectory import BranchSequence, EpisodeMetrics, StopReason
-from asyncgrpo.config import ConfigError, build_config
+from asyncgrpo.config import AdvantageConfig, ConfigError, build_config
 from asyncgrpo.coordinator.buffer import RolloutBuffer
 from asyncgrpo.rollout.episodes import (
     EpisodeGroupBuilder,
@@ -251,3 +251,54 @@ def test_calculator_tool_evaluates_arithmetic_and_refuses_everything_else():
         assert row["answer"] == calculator(a) and a in row["prompt"][0]["content"]
     assert contains_answer("so 347 * 58 = 20,126.", "20126")
     assert not contains_answer("347 * 58 = 20125", "20126")
+
+
+class TwoColumnScorer:
+    """Scores from each episode's context: (context, 2 * context), None for context None."""
+
+    names = ["base", "double"]
+
+    def __init__(self):
+        self.seen = []
+
+    async def score(self, row, outcomes):
+        self.seen.append([o.context for o in outcomes])
+        return [[o.context, None if o.context is None else 2 * o.context] for o in outcomes]
+
+
+def test_a_group_scorer_gives_every_scorable_episode_its_reward_columns():
+    scripted = [outcome(None), outcome(None), outcome(None, StopReason.TIMEOUT)]
+    for value, o in zip([1.0, 3.0, 5.0], scripted, strict=True):
+        o.context = value
+    b, _ = builder(scripted)
+    b.scorer = b.rewards = TwoColumnScorer()
+    b.advantage = AdvantageConfig(reward_weights=[1.0, 0.5])
+    group = asyncio.run(b.build(1, {"prompt": "x"}))
+    assert b.scorer.seen == [[1.0, 3.0]]  # a timed-out episode is not scored
+    assert [r.rewards for r in group.rollouts] == [[1.0, 2.0], [3.0, 6.0]]
+    assert b.rewards.names == ["base", "double"]
+
+
+def test_a_raising_group_scorer_drops_the_group_as_a_reward_error():
+    class Broken:
+        names = ["r"]
+
+        async def score(self, row, outcomes):
+            raise KeyError("answer")
+
+    b, _ = builder([outcome(None), outcome(None), outcome(None)])
+    b.scorer = Broken()
+    with pytest.raises(GroupDropped) as dropped:
+        asyncio.run(b.build(1, {"prompt": "x"}))
+    assert dropped.value.reason == "reward_error" and "answer" in str(dropped.value)
+
+
+def test_agent_sources_are_exclusive_and_sections_validate():
+    cfg = build_config({"agent": {"verifiers": {"id": "reverse-text", "args": {"n": 3}}}})
+    assert cfg.agent.source == "verifiers" and cfg.agent.verifiers.args == {"n": 3}
+    with pytest.raises(ConfigError, match="one episode source"):
+        build_config({"agent": {"rollout": "m:f", "environment": "m:Env"}})
+    with pytest.raises(ConfigError, match="exactly one of"):
+        build_config({"agent": {"openenv": {}}})
+    with pytest.raises(ConfigError, match="package.module:Class"):
+        build_config({"agent": {"environment": "EnvWithoutModule"}})

@@ -43,6 +43,14 @@ class Result:
     stop_reason: StopReason | str = StopReason.OK
     tool_failures: int = 0
     info: dict[str, Any] = field(default_factory=dict)  # anything to log with the episode
+    context: Any = None
+    """What a group scorer reads after the episode (its environment, its conversation):
+    handed to `GroupScorer.score` as `EpisodeOutcome.context`, never logged."""
+
+
+class EnvironmentFailure(Exception):
+    """The environment (a server, an environment object) failed, not the policy: the episode
+    ends as `infra_error` and is run again, never scored 0."""
 
 
 class RewardError(Exception):

@@ -52,9 +52,9 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from asyncgrpo.agents.rollout_api import LLM, Result, RewardError, RolloutFn
+from asyncgrpo.agents.rollout_api import LLM, EnvironmentFailure, Result, RewardError, RolloutFn
 from asyncgrpo.agents.rollout_api import reward_scope as reward_scope  # re-exported
 from asyncgrpo.agents.tools import ToolBox
 from asyncgrpo.agents.trajectory import BranchSequence, EpisodeMetrics, EpisodeResult, StopReason
@@ -70,18 +70,29 @@ class EpisodeOutcome(EpisodeResult):
     episode_id: str = ""
     error: str | None = None  # the exception that ended the episode, if any
     info: dict[str, Any] = field(default_factory=dict)  # Result.info, gateway counters, time
+    context: Any = None  # Result.context, for a group scorer
+    rewards: list[float | None] | None = None  # a group scorer's values, one per reward name
 
 
 NEVER_REWARDED = (StopReason.INFRA_ERROR, StopReason.REWARD_ERROR)
-# how a rollout ended: (reward, stop reason, tool failures, info, error)
-_Ended = tuple[float | None, StopReason, int, dict, str | None]
+
+
+class _Ended(NamedTuple):
+    """How a rollout ended."""
+
+    reward: float | None
+    reason: StopReason
+    failures: int = 0
+    info: dict = {}  # noqa: RUF012 - read only (`_outcome` builds a new dict)
+    error: str | None = None
+    context: Any = None
 
 
 def classify(exc: BaseException) -> StopReason:
     """The stop reason for an exception that escaped a rollout (see the module docstring)."""
     if isinstance(exc, RewardError):
         return StopReason.REWARD_ERROR
-    if isinstance(exc, (EngineUnavailable, ConnectionError)):
+    if isinstance(exc, (EngineUnavailable, ConnectionError, EnvironmentFailure)):
         return StopReason.INFRA_ERROR
     if isinstance(exc, EngineRefused):
         return StopReason.INFRA_ERROR
@@ -102,8 +113,9 @@ def classify(exc: BaseException) -> StopReason:
     return StopReason.TOOL_ERROR  # the agent's own bug, or a request it got wrong
 
 
-def _unpack(value: Any) -> _Ended:
-    """(reward, stop reason, tool failures, info, error) from a rollout's return value."""
+def _unpack(value: Any, reward_required: bool = True) -> _Ended:
+    """How the rollout ended, from its return value. `reward_required=False`: a group scorer
+    gives the reward later, so `ok` without one is not a `reward_error`."""
     if not isinstance(value, Result):
         value = Result(value)
     try:
@@ -111,14 +123,17 @@ def _unpack(value: Any) -> _Ended:
         reward = None if value.reward is None else float(value.reward)
         failures = int(value.tool_failures)
     except (TypeError, ValueError) as exc:
-        return None, StopReason.REWARD_ERROR, 0, {}, f"rollout returned {value!r}: {exc}"
+        return _Ended(None, StopReason.REWARD_ERROR, error=f"rollout returned {value!r}: {exc}")
     if isinstance(value.reward, bool):
-        return None, StopReason.REWARD_ERROR, failures, {}, "rollout returned a bool reward"
+        return _Ended(
+            None, StopReason.REWARD_ERROR, failures, error="rollout returned a bool reward"
+        )
     if reward is not None and math.isnan(reward):
         reward = None
-    if reward is None and reason == StopReason.OK:
-        return None, StopReason.REWARD_ERROR, failures, dict(value.info), "no reward returned"
-    return reward, reason, failures, dict(value.info), None
+    info = dict(value.info)
+    if reward is None and reason == StopReason.OK and reward_required:
+        return _Ended(None, StopReason.REWARD_ERROR, failures, info, "no reward returned")
+    return _Ended(reward, reason, failures, info, None, value.context)
 
 
 def _checked_failure_rewards(failure_rewards: Mapping[str, float] | None) -> dict:
@@ -138,12 +153,14 @@ async def run_episode(
     episode_timeout_s: float | None = None,
     call_timeout_s: float | None = None,
     failure_rewards: Mapping[str, float] | None = None,
+    scored_by_group: bool = False,
 ) -> EpisodeOutcome:
     """Open an episode on `client`'s engine, run `rollout_fn(task, llm)`, close it, return it.
 
     `max_turns`: chat calls the gateway accepts (the next is refused with a 400);
     `episode_timeout_s`: the whole rollout; `call_timeout_s`: per call, via
-    `llm.client()`. Never raises for a failed episode: see `stop_reason`.
+    `llm.client()`; `scored_by_group`: the rollout may return no reward (a group scorer
+    gives it). Never raises for a failed episode: see `stop_reason`.
     """
     rewards_for = _checked_failure_rewards(failure_rewards)
     started = time.monotonic()
@@ -154,9 +171,12 @@ async def run_episode(
     episode_id = opened["episode_id"]
     llm = LLM(opened["base_url"], opened["api_key"], opened["model"], call_timeout_s)
     ended = await _run_rollout(client, episode_id, rollout_fn, task, llm, episode_timeout_s)
-    reward, reason, failures, _, _ = ended
+    if ended.reason == StopReason.OK and ended.reward is None and not scored_by_group:
+        ended = ended._replace(reason=StopReason.REWARD_ERROR, error="no reward returned")
     try:
-        closed = await client.close_episode(episode_id, reward, reason.value, failures)
+        closed = await client.close_episode(
+            episode_id, ended.reward, ended.reason.value, ended.failures
+        )
     except Exception as exc:
         return EpisodeOutcome(
             None, StopReason.INFRA_ERROR, [], episode_id=episode_id, error=_describe(exc)
@@ -178,22 +198,22 @@ async def _run_rollout(
             value = await rollout_fn(task, llm)
     except TimeoutError as exc:
         if deadline.expired():
-            return None, StopReason.TIMEOUT, 0, {}, f"the episode took over {timeout_s} s"
-        return None, classify(exc), 0, {}, _describe(exc)
+            return _Ended(None, StopReason.TIMEOUT, error=f"the episode took over {timeout_s} s")
+        return _Ended(None, classify(exc), error=_describe(exc))
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):  # free the gateway's episode, then stop
             await asyncio.shield(client.close_episode(episode_id, None, "infra_error"))
         raise
     except Exception as exc:
-        return None, classify(exc), 0, {}, _describe(exc)
-    return _unpack(value)
+        return _Ended(None, classify(exc), error=_describe(exc))
+    return _unpack(value, reward_required=False)
 
 
 def _outcome(
     episode_id: str, ended: _Ended, closed: dict, rewards_for: dict, started: float
 ) -> EpisodeOutcome:
     """The episode as the rollout ended it and as the gateway recorded it (`closed`)."""
-    reward, reason, _, info, error = ended
+    reward, reason, _, info, error, context = ended
     # the gateway refused a call: whatever the agent made of that, the turns ran out
     if closed.get("refused_turns") and reason in (StopReason.OK, StopReason.TOOL_ERROR):
         reason = StopReason.MAX_TURNS
@@ -201,11 +221,12 @@ def _outcome(
         reward = rewards_for[reason]
     if error:
         logger.warning("episode %s ended with %s: %s", episode_id, reason.value, error)
-    info.update(
-        refused_turns=closed.get("refused_turns", 0),
-        deduped_retries=closed.get("deduped_retries", 0),
-        seconds=time.monotonic() - started,
-    )
+    info = {
+        **info,
+        "refused_turns": closed.get("refused_turns", 0),
+        "deduped_retries": closed.get("deduped_retries", 0),
+        "seconds": time.monotonic() - started,
+    }
     return EpisodeOutcome(
         reward,
         reason,
@@ -214,6 +235,7 @@ def _outcome(
         episode_id=episode_id,
         error=error,
         info=info,
+        context=context,
     )
 
 

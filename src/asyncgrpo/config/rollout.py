@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from asyncgrpo.config.base import Section
+from asyncgrpo.config.environments import OpenEnvConfig, VerifiersConfig
 from asyncgrpo.config.sampling import SamplingSettings
 
 # Below this temperature a row is sampled greedily, by the engine (`engine/sampling.py`) and
@@ -106,8 +107,19 @@ class AgentConfig(Section):
     `rollout.num_generations` episodes of one task row, its reward the rollout's return value
     (`rewards`, if listed, only grade each episode's final reply, logged as `final_<name>`). Sample at `rollout.temperature` (the OpenAI default, 1.0, when
     the rollout passes none): the trainer divides its logits by it."""
+    environment: str | None = None
+    """TRL's `environment_factory` from a recipe: `package.module:Class`, one instance per
+    episode (`reset(**row)`, its public methods as tools, an optional `get_reward()`); the
+    recipe's `rewards:` score the episodes and receive the instances as `environments=`."""
+    openenv: OpenEnvConfig | None = None
+    """Episodes against an OpenEnv environment server (see its section)."""
+    verifiers: VerifiersConfig | None = None
+    """Episodes of a verifiers environment, scored by its rubric; its dataset is the run's
+    unless the recipe has a `dataset:`."""
     max_turns: int = Field(8, ge=1)
-    """Chat calls an episode may make; the gateway refuses the next (stop reason max_turns)."""
+    """Chat calls an episode may make; the gateway refuses the next (stop reason max_turns).
+    TRL's `max_tool_calling_iterations` is this minus one (the first call is not a tool
+    iteration)."""
     episode_timeout_s: float = Field(300.0, gt=0)
     """Deadline of a whole episode (stop reason timeout)."""
     call_timeout_s: float | None = Field(120.0, gt=0)
@@ -127,6 +139,29 @@ class AgentConfig(Section):
     def _dotted_path(cls, value: str | None) -> str | None:
         if value is not None and (":" not in value or not all(value.split(":", 1))):
             raise ValueError(f"expected `package.module:function`, got {value!r}")
+        return value
+
+    @property
+    def source(self) -> str | None:
+        """Which field makes this an agent run (`rollout`, `environment`, ...), or None."""
+        given = self._sources_given()
+        return given[0] if given else None
+
+    def _sources_given(self) -> list[str]:
+        return [k for k in ("rollout", "environment", "openenv", "verifiers") if getattr(self, k)]
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AgentConfig:
+        set_ = self._sources_given()
+        if len(set_) > 1:
+            raise ValueError(f"an agent run has one episode source; got {' and '.join(set_)}")
+        return self
+
+    @field_validator("environment")
+    @classmethod
+    def _class_path(cls, value: str | None) -> str | None:
+        if value is not None and (":" not in value or not all(value.split(":", 1))):
+            raise ValueError(f"expected `package.module:Class`, got {value!r}")
         return value
 
     @field_validator("failure_rewards")

@@ -22,7 +22,15 @@ What each stop reason does to the group (nothing becomes reward 0 silently):
 - fewer than two trainable episodes: no group-relative signal, the group is
   dropped (`degenerate`); all trainable rewards equal: `zero_variance`.
 
-`rewards:` functions, when a recipe lists them, do not change the reward: they
+A `GroupScorer` (TRL reward functions over environment instances, a verifiers
+rubric) gives the rewards instead of the rollout: once every episode of a group
+has ended, it scores those that ended `ok`, `max_turns` or `length` together, one
+value per reward name each (the names are the run's reward columns, weighted by
+`advantage.reward_weights`). The rollout then returns no reward, only its
+`Result.context` for the scorer. A scorer that raises drops the group
+(`reward_error`).
+
+Without a scorer, `rewards:` functions, when a recipe lists them, do not change the reward: they
 grade each trainable episode's final reply text (TRL signature, the row's
 columns) and are logged as `final_<name>` (`eval_final_<name>` in evaluations),
 e.g. a plain correctness check beside a rollout's shaped reward. A grader that
@@ -41,15 +49,17 @@ often.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
+import math
 import os
 import sys
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from asyncgrpo.agents.runner import EpisodeOutcome, run_episode, training_row
 from asyncgrpo.agents.trajectory import StopReason
@@ -58,7 +68,13 @@ from asyncgrpo.rollout.advantages import is_zero_variance
 from asyncgrpo.rollout.builder import GroupDropped
 from asyncgrpo.rollout.types import Group, Rollout
 
-__all__ = ["EpisodeGroupBuilder", "EpisodeSettings", "GroupDropped", "load_rollout"]
+__all__ = [
+    "EpisodeGroupBuilder",
+    "EpisodeSettings",
+    "GroupDropped",
+    "GroupScorer",
+    "load_rollout",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +88,7 @@ class EpisodeSettings:
     max_infra_retries: int = 2
     failure_rewards: dict[str, float] = field(default_factory=dict)
     retry_delay_s: float = 1.0  # before re-running an episode after an infra_error (× attempt)
+    scored_by_group: bool = False  # a GroupScorer gives the rewards, not the rollout
 
     def episode_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -79,7 +96,23 @@ class EpisodeSettings:
             episode_timeout_s=self.episode_timeout_s,
             call_timeout_s=self.call_timeout_s,
             failure_rewards=self.failure_rewards,
+            scored_by_group=self.scored_by_group,
         )
+
+
+class GroupScorer(Protocol):
+    """Rewards for a group's finished episodes, computed together (see the module docstring)."""
+
+    names: list[str]
+    """The reward columns, one value per name for each episode."""
+
+    async def score(self, row: dict, outcomes: list[EpisodeOutcome]) -> list[list[float | None]]:
+        """One list per outcome (`outcome.context` is what its rollout returned), each with
+        a float or None per name; raise to drop the group."""
+        ...
+
+
+SCORED_STOPS = (StopReason.OK, StopReason.MAX_TURNS, StopReason.LENGTH)
 
 
 def load_rollout(path: str) -> Callable[..., Awaitable[Any]]:
@@ -167,6 +200,7 @@ class EpisodeGroupBuilder:
         run: Callable[..., Awaitable[EpisodeOutcome]] | None = None,
         graders: Any = None,
         advantage: AdvantageConfig | None = None,
+        scorer: GroupScorer | None = None,
     ):
         self.client = client
         self.rollout_fn = rollout_fn
@@ -175,6 +209,8 @@ class EpisodeGroupBuilder:
         self.run = run  # None: `run_episode` (tests pass a fake, or wrap it)
         self.graders = graders  # a RewardRunner over final replies (metrics only), or None
         self.advantage = advantage or AdvantageConfig()
+        self.scorer = scorer
+        self.rewards = scorer  # its `names` are the run's reward columns (metrics read them)
         self.stats = EpisodeStats()
         self.generated_tokens = 0
 
@@ -193,6 +229,7 @@ class EpisodeGroupBuilder:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             raise
+        await self.score(row, outcomes)
         trainable = [o for o in outcomes if o.trainable]
         if len(trainable) < 2:
             reasons = Counter(o.stop_reason.value for o in outcomes)
@@ -222,6 +259,26 @@ class EpisodeGroupBuilder:
             "infra_error", f"an episode failed {self.settings.max_infra_retries + 1} times"
         )
 
+    async def score(self, row: dict, outcomes: list[EpisodeOutcome]) -> None:
+        """Set the rewards of the episodes the scorer scores (no scorer: nothing to do)."""
+        scored = [o for o in outcomes if o.stop_reason in SCORED_STOPS and o.samples]
+        if self.scorer is None or not scored:
+            return
+        try:
+            values = await self.scorer.score(row, scored)
+            if len(values) != len(scored):
+                raise ValueError(f"{len(values)} reward rows for {len(scored)} episodes")
+        except (GroupDropped, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise GroupDropped("reward_error", f"{type(exc).__name__}: {exc}") from exc
+        weights = self.advantage.reward_weights or [1.0] * len(self.scorer.names)
+        for outcome, vector in zip(scored, values, strict=True):
+            outcome.rewards = [None if v is None else float(v) for v in vector]
+            pairs = zip(weights, outcome.rewards, strict=True)
+            present = [(w, v) for w, v in pairs if v is not None and not math.isnan(v)]
+            outcome.reward = sum(w * v for w, v in present) if present else None
+
     async def grade(self, row: dict, outcomes: list[EpisodeOutcome], stats: EpisodeStats) -> None:
         """Score each episode's final reply with the `rewards:` functions, as metrics only."""
         if self.graders is None or not outcomes:
@@ -246,7 +303,7 @@ class EpisodeGroupBuilder:
                     versions=t["versions"],
                     finish_reason=sample.finish_reason,
                     text=self.decode(t["completion_ids"]),
-                    rewards=[outcome.reward],
+                    rewards=outcome.rewards or [outcome.reward],
                     completion_mask=t["completion_mask"],
                 )
             )
@@ -269,6 +326,9 @@ class EpisodeGroupBuilder:
 
         done = await asyncio.gather(*[one(r) for r in rows])
         for row, o in zip(rows, done, strict=True):
+            if o is not None:
+                with contextlib.suppress(GroupDropped):  # unscored: left untrainable
+                    await self.score(row, [o])
             if o is not None and o.trainable:
                 await self.grade(row, [o], stats)
         outcomes = [o for o in done if o is not None]

@@ -1,0 +1,41 @@
+"""Recipe sections for environments users already have: OpenEnv servers, verifiers environments.
+
+TRL's environment classes need no section of their own: `agent.environment` names the
+class. Each section here is read by its adapter in `asyncgrpo.environments`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from asyncgrpo.config.base import Section
+
+
+class OpenEnvConfig(Section):
+    """An OpenEnv environment server: one WebSocket session per episode."""
+
+    url: str | None = None
+    """Base URL of a running server (`http://host:port`); its `/ws` route is used."""
+    app: str | None = None
+    """`package.module:app` (an ASGI app, as `create_app(...)` returns): asyncgrpo serves it
+    on 127.0.0.1 at a free port for the run and stops it at the end."""
+    message_timeout_s: float = Field(60.0, gt=0)
+    """Deadline of one reset or step message; past it the episode is an infra_error."""
+
+    @model_validator(mode="after")
+    def _one_server(self) -> OpenEnvConfig:
+        if (self.url is None) == (self.app is None):
+            raise ValueError("give exactly one of `url` (a running server) or `app` (module:app)")
+        return self
+
+
+class VerifiersConfig(Section):
+    """A verifiers environment (the classic API: `load_environment(id, **args)`)."""
+
+    id: str
+    """The environment's id: the module named after it is imported (dashes read as
+    underscores), as `verifiers.load_environment` does."""
+    args: dict[str, Any] = {}
+    """Keyword arguments of its `load_environment`."""

@@ -1,0 +1,62 @@
+"""Environments users already have, trained unchanged: TRL classes, OpenEnv servers, verifiers.
+
+Each shape becomes an `EpisodeSource`: a rollout function that drives the environment
+through the episode gateway (so the trained tokens are the engine's own, and tool or
+observation tokens carry no loss), optionally a `GroupScorer` that rewards a whole group
+at once, and rows when the environment brings its own dataset. `wiring` asks
+`episode_source` for one and builds an `EpisodeGroupBuilder` from it; the rest of the
+run (buffer, trainer, staleness) does not know where the episodes came from.
+
+- `trl`: `tools=[fn, ...]` and `environment_factory=Cls` with TRL 1.16's semantics.
+- `openenv`: an OpenEnv server by URL or by app, one WebSocket session per episode.
+- `verifiers`: a verifiers environment (classic API) and its rubric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncgrpo.agents.rollout_api import RolloutFn
+from asyncgrpo.config import RunConfig
+from asyncgrpo.rollout.episodes import GroupScorer
+
+
+@dataclass
+class EpisodeSource:
+    """Where a run's episodes come from (see the module docstring)."""
+
+    rollout: RolloutFn
+    scorer: GroupScorer | None = None
+    train_rows: list[dict] | None = None  # the environment's own dataset, if it has one
+    eval_rows: list[dict] | None = None
+    closers: list[Callable[[], None]] = field(default_factory=list)  # servers to stop, ...
+
+
+def wants_source(cfg: RunConfig, tools: Any = None, environment_factory: Any = None) -> bool:
+    """Whether the run's episodes come from an environment of one of the three shapes."""
+    a = cfg.agent
+    return bool(tools or environment_factory or a.environment or a.openenv or a.verifiers)
+
+
+def episode_source(
+    cfg: RunConfig,
+    *,
+    reward_funcs: Any = None,
+    tools: list | None = None,
+    environment_factory: Any = None,
+) -> EpisodeSource:
+    """The run's episode source; `reward_funcs` is the run's `RewardRunner` (or None)."""
+    a = cfg.agent
+    if a.openenv is not None:
+        from asyncgrpo.environments.openenv import openenv_source
+
+        return openenv_source(cfg)
+    if a.verifiers is not None:
+        from asyncgrpo.environments.verifiers import verifiers_source
+
+        return verifiers_source(cfg)
+    from asyncgrpo.environments.trl import trl_source
+
+    return trl_source(cfg, reward_funcs, tools, environment_factory)
