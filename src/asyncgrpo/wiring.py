@@ -125,18 +125,9 @@ def build_run(
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
     from_env = wants_source(cfg, tools, environment_factory)
     agent = rollout_func is not None or cfg.agent.source is not None or from_env
-    rewards = source = None
-    try:
-        with _user_errors():  # every input is checked before the engine starts
-            _check(cfg, funcs, agent, from_env)
-            _cwd_importable()
-            rewards = _rewards(cfg, funcs)
-            if from_env:
-                source = _source(cfg, rewards, tools, environment_factory)
-            train_rows, eval_rows = _prompt_rows(cfg, train_dataset, eval_dataset, agent, source)
-    except BaseException:
-        _close_started(rewards, None, None, None, source)
-        raise
+    rewards, source, train_rows, eval_rows = _inputs(
+        cfg, funcs, agent, (train_dataset, eval_dataset), (tools, environment_factory)
+    )
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
     engine = trainer = cluster = None
@@ -175,6 +166,24 @@ def build_run(
     if cluster is not None:
         run.closers.append(cluster.shutdown)  # after the engines and the ranks
     return run
+
+
+def _inputs(cfg: RunConfig, funcs: list, agent: bool, datasets: tuple, env: tuple) -> tuple:
+    """(reward runner, episode source, train rows, held-out rows), every input checked before
+    the engine starts; `env` is (tools, environment_factory)."""
+    rewards = source = None
+    try:
+        with _user_errors():
+            from_env = wants_source(cfg, *env)
+            _check(cfg, funcs, agent, from_env)
+            _cwd_importable()
+            rewards = _rewards(cfg, funcs)
+            if from_env:
+                source = _source(cfg, rewards, *env)
+            return rewards, source, *_prompt_rows(cfg, *datasets, agent, source)
+    except BaseException:
+        _close_started(rewards, None, None, None, source)
+        raise
 
 
 def _source(cfg: RunConfig, rewards: Any, tools: Any, environment_factory: Any) -> Any:

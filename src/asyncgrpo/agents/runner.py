@@ -77,9 +77,7 @@ class EpisodeOutcome(EpisodeResult):
 NEVER_REWARDED = (StopReason.INFRA_ERROR, StopReason.REWARD_ERROR)
 
 
-class _Ended(NamedTuple):
-    """How a rollout ended."""
-
+class _Ended(NamedTuple):  # how a rollout ended
     reward: float | None
     reason: StopReason
     failures: int = 0
