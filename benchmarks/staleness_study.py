@@ -107,15 +107,12 @@ class Task:
 TASKS = {
     # the recipe's own task (demo.yaml: word_count, attractors at 0.6-0.95)
     "recipe": Task((), 0.7),
-    # one answer per prompt, reward = correctness with a brevity gradient; no competing
-    # length attractors. max_operand 19: 400 prompts (9 gives only 100, too few to hold out
-    # 64); base rate measured at 9 (0.10 sampled, 0.58 greedy), not yet at 19.
+    # one answer per prompt, reward = correctness with a brevity gradient toward the bare
+    # number: one optimum, no competing length attractors. templates=3: 300 problems (the
+    # default 100 are too few to hold out 64). Base rate (64 held-out prompts x 8, bf16,
+    # max_tokens 24, 2026-11-26): sampled 0.085, greedy 0.44, 78% of groups with variance.
     "arithmetic": Task(
-        (
-            "dataset.builtin=arithmetic",
-            "dataset.max_operand=19",
-            "rewards=[short_arithmetic_reward]",
-        ),
+        ("dataset.builtin=arithmetic", "dataset.templates=3", "rewards=[short_arithmetic_reward]"),
         0.5,
     ),
 }
