@@ -199,6 +199,46 @@ def test_end_to_end_with_the_trl_baseline(tmp_path, tiny_recipe, tiny_model_dir)
     assert any(not torch.equal(final[k], initial[k]) for k in initial)  # TRL trained
 
 
+def test_staleness_study_runs_then_resumes(tmp_path, tiny_recipe, capsys):
+    """Two cells (sync and staleness 1) on one seed, two steps each, two at a time; the
+    final weights scored afterwards; a rerun trains nothing and keeps the results."""
+    out = tmp_path / "study"
+    args = (
+        *("--stage", "noise", "--recipe", str(tiny_recipe), "--seeds", "0", "--repeats", "1"),
+        *("--steps", "2", "--jobs", "2", "--held-out", "4", "--score-threads", "1"),
+        *("--out", str(out)),
+    )
+    run_benchmark_here("staleness_study.py", *args)
+    results = sorted((out / "results").rglob("*.json"))
+    assert [p.parent.name for p in results] == [
+        "recipe-st0-truncated_is-lr3e-05",
+        "recipe-st1-truncated_is-lr3e-05",
+    ]
+    runs = [read_json(p) for p in results]
+    for run in runs:
+        assert run["summary"]["steps"] == 2 and len(run["held_out_per_prompt"]) == 4
+        assert 0 <= run["held_out_final"] <= 1 and run["wall_s"] > 0 and run["jobs"] == 2
+        assert "trainer.num_threads=1" in run["overrides"]
+        assert not (out / "runs" / run["cell"] / "seed0" / "weights").exists()  # dropped
+    assert [r["summary"]["token_staleness_max"] for r in runs] == [0, 1]
+    study = read_json(out / "noise" / "study.json")
+    assert {name: c["area"]["n"] for name, c in study["cells"].items()} == {
+        r["cell"]: 1 for r in runs
+    }
+    (diff,) = study["differences"]
+    assert diff["area"]["seeds"] == [0]
+    assert diff["area"]["mean"] == pytest.approx(
+        runs[1]["summary"]["area"] - runs[0]["summary"]["area"]
+    )
+    assert (out / "noise" / "study.md").exists() and (out / "noise" / "study.png").exists()
+
+    stamps = [p.stat().st_mtime_ns for p in results]
+    capsys.readouterr()
+    run_benchmark_here("staleness_study.py", *args)
+    assert "2 runs: 2 done, 0 to train" in capsys.readouterr().out
+    assert [p.stat().st_mtime_ns for p in results] == stamps
+
+
 def test_ray_launcher_local(tmp_path, tiny_recipe):
     """The script's local launcher; the Ray ones run in the test marked `ray` below."""
     out = tmp_path / "ray_launcher.json"
