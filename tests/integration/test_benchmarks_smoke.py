@@ -199,6 +199,7 @@ def test_end_to_end_with_the_trl_baseline(tmp_path, tiny_recipe, tiny_model_dir)
     assert any(not torch.equal(final[k], initial[k]) for k in initial)  # TRL trained
 
 
+@pytest.mark.heavy  # two training runs and a scoring pass: ~30 s
 def test_staleness_study_runs_then_resumes(tmp_path, tiny_recipe, capsys):
     """Two cells (sync and staleness 1) on one seed, two steps each, two at a time; the
     final weights scored afterwards; a rerun trains nothing and keeps the results."""
