@@ -40,6 +40,7 @@ class SimEngine:
         self.hold = False  # wait-mode sync: admit nothing, let the running ones finish
         self.paused_until = 0.0
         self.reprefill = False  # abort-mode sync: running requests prefill their context again
+        self.generated = 0  # tokens decoded so far
         self.busy: list[tuple[float, float]] = []  # segments, for idle fractions and plots
         self._segment: tuple[float, float, int, float, int] | None = None  # t0, prefill, B, C, k
 
@@ -102,6 +103,7 @@ class SimEngine:
         t0, _, _, _, steps = self._segment
         self.busy.append((t0, now))
         self._segment = None
+        self.generated += steps * len(self.running)
         for seq in self.running:
             seq.done += steps
         finished = [s for s in self.running if s.done >= s.length]

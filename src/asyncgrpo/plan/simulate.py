@@ -170,7 +170,9 @@ class Simulation:
             if not is_too_stale(self.version, g.min_version, lay.max_staleness)
         )
         self.dropped_stale += len(self.queue) - len(kept)
-        self.queue = kept
+        if len(kept) < len(self.queue):  # dropped groups free their quota at once
+            self.queue = kept
+            self.admit(now)
         if len(self.queue) < lay.batch_groups:
             return
         batch = [self.queue.popleft() for _ in range(lay.batch_groups)]
@@ -225,10 +227,14 @@ class Simulation:
         engine.version, engine.hold = self.version, False
         engine.reprefill = self.layout.sync_mode == "abort" and bool(engine.running)
         self.wake(engine, now)
+        if self.syncing is None:  # another replica's resume at the same instant ended it
+            return
         if len(self.syncing["paused"]) == len(self.engines) and all(
             e.paused_until <= now for e in self.engines
         ):
             self.spans.append(("sync", self.syncing["start"], now))
+            for other in self.engines:  # resumes due at this same instant
+                other.version, other.hold = self.version, False
             self.syncing = None
             self.engine_version = self.version
             self.admit(now)
