@@ -9,6 +9,14 @@ Python and numpy: planning a cluster needs no torch.
 
 from asyncgrpo.plan.costs import Costs, Lengths, PlanInputError
 from asyncgrpo.plan.predict import predict
-from asyncgrpo.plan.simulate import Layout, Prediction, TraceRecorder
+from asyncgrpo.plan.simulate import Deployment, Prediction, TraceRecorder
 
-__all__ = ["Costs", "Layout", "Lengths", "PlanInputError", "Prediction", "TraceRecorder", "predict"]
+__all__ = [
+    "Costs",
+    "Deployment",
+    "Lengths",
+    "PlanInputError",
+    "Prediction",
+    "TraceRecorder",
+    "predict",
+]

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncgrpo.plan.costs import Costs, Lengths, PlanInputError
-from asyncgrpo.plan.simulate import Layout, Simulation
+from asyncgrpo.plan.simulate import Deployment, Simulation
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -36,7 +36,7 @@ def _jsonl(path: Path) -> list[dict]:
         raise PlanInputError(f"cannot read {path}: {exc}") from None
 
 
-def run_layout(run_dir: Path) -> Layout:
+def run_layout(run_dir: Path) -> Deployment:
     """The layout recorded in the run's `config.yaml`."""
     import yaml
 
@@ -45,7 +45,7 @@ def run_layout(run_dir: Path) -> Layout:
     except (OSError, yaml.YAMLError) as exc:
         raise PlanInputError(f"cannot read {run_dir / 'config.yaml'}: {exc}") from None
     coord, engine = cfg.get("coordinator", {}), cfg.get("engine", {})
-    return Layout(
+    return Deployment(
         engines=int(engine.get("replicas", 1)),
         trainer_ranks=int(cfg.get("trainer", {}).get("num_processes", 1)),
         max_staleness=int(coord.get("max_staleness", 2)),
@@ -122,7 +122,7 @@ def calibrate(run_dir: Path, *, decode_batch_half: float = 16.0, skip: int = 1):
     return _fit_decode(costs, lengths, layout, _busy_token_rate(rows)), lengths, layout
 
 
-def _fit_decode(costs: Costs, lengths: Lengths, layout: Layout, rate: float) -> Costs:
+def _fit_decode(costs: Costs, lengths: Lengths, layout: Deployment, rate: float) -> Costs:
     """Scale the engine's costs until the simulated run generates `rate` tokens per busy s."""
     for _ in range(4):  # a fixed point: the rate is inversely proportional to the scale
         sim = Simulation(layout, costs, lengths, seed=0)

@@ -18,7 +18,7 @@ from pathlib import Path
 from asyncgrpo.plan.calibrate import calibrate
 from asyncgrpo.plan.costs import PlanInputError, load_cost_model
 from asyncgrpo.plan.grid import evaluate, fastest, layouts, table
-from asyncgrpo.plan.simulate import Layout
+from asyncgrpo.plan.simulate import Deployment
 
 
 def _ints(text: str) -> list[int]:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.run_dir is not None:
             costs, lengths, base = calibrate(args.run_dir, decode_batch_half=args.decode_batch_half)
         else:
-            (costs, lengths), base = load_cost_model(args.costs), Layout()
+            (costs, lengths), base = load_cost_model(args.costs), Deployment()
     except PlanInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from asyncgrpo.plan.costs import Costs, Lengths
 from asyncgrpo.plan.predict import predict
-from asyncgrpo.plan.simulate import Layout, Prediction
+from asyncgrpo.plan.simulate import Deployment, Prediction
 
 AXES = (
     "engines",
@@ -22,7 +22,7 @@ AXES = (
 
 @dataclass
 class Candidate:
-    layout: Layout
+    layout: Deployment
     devices: int
     prediction: Prediction
 
@@ -40,20 +40,20 @@ class Candidate:
         }
 
 
-def layouts(base: Layout, axes: dict[str, list]) -> list[Layout]:
+def layouts(base: Deployment, axes: dict[str, list]) -> list[Deployment]:
     """Every combination of the values in `axes` (missing axes keep `base`'s value);
     a layout the recipe would refuse (a sync less often than the staleness allows) is left out."""
     names = [k for k in AXES if axes.get(k)]
     out = []
     for values in itertools.product(*(axes[k] for k in names)):
-        layout = Layout(**{**asdict(base), **dict(zip(names, values, strict=True))})
+        layout = Deployment(**{**asdict(base), **dict(zip(names, values, strict=True))})
         if layout.weight_sync_steps <= layout.max_staleness + 1:
             out.append(layout)
     return out
 
 
 def evaluate(
-    candidates: list[Layout],
+    candidates: list[Deployment],
     costs: Costs,
     lengths: Lengths,
     *,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from asyncgrpo.plan.costs import Costs, Lengths
-from asyncgrpo.plan.simulate import Layout, Prediction, Simulation, TraceRecorder
+from asyncgrpo.plan.simulate import Deployment, Prediction, Simulation, TraceRecorder
 
 
 def _overlap(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
@@ -13,7 +13,7 @@ def _overlap(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
 
 
 def predict(
-    layout: Layout,
+    layout: Deployment,
     costs: Costs,
     lengths: Lengths,
     *,

@@ -25,7 +25,7 @@ from asyncgrpo.plan.engine import Sequence, SimEngine
 
 
 @dataclass(frozen=True)
-class Layout:
+class Deployment:
     """One candidate configuration (the recipe's names where it has them)."""
 
     engines: int = 1
@@ -45,7 +45,7 @@ class Layout:
 
 
 @dataclass
-class Group:
+class SimGroup:
     sequences: list[Sequence]
     pending: int
 
@@ -83,13 +83,13 @@ class TraceRecorder:
 
 
 class Simulation:
-    def __init__(self, layout: Layout, costs: Costs, lengths: Lengths, seed: int = 0):
+    def __init__(self, layout: Deployment, costs: Costs, lengths: Lengths, seed: int = 0):
         self.layout, self.costs, self.lengths = layout, costs, lengths
         self.draw = lengths.sampler(np.random.default_rng(seed))
         self.engines = [SimEngine(i, costs, layout.max_num_seqs) for i in range(layout.engines)]
         self.events: list = []
         self.counter = 0
-        self.queue: deque[Group] = deque()
+        self.queue: deque[SimGroup] = deque()
         self.in_flight = self.consumed = self.version = self.engine_version = 0
         self.turn = 0  # round-robin among replicas tied on outstanding work
         self.trainer_busy = False
@@ -121,7 +121,7 @@ class Simulation:
             self.in_flight += 1
             prompt = self.lengths.prompt_tokens
             lengths = self.draw(lay.num_generations)
-            group = Group([], lay.num_generations)
+            group = SimGroup([], lay.num_generations)
             group.sequences = [Sequence(group, int(n), prompt) for n in lengths]
             engine = self.route()
             engine.waiting.extend(group.sequences)
