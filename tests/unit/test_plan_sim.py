@@ -133,3 +133,12 @@ def test_same_seed_same_prediction_other_seed_other_draws():
     first = predict(lay, REGIMES["balanced"], TAILED, seed=7)
     assert predict(lay, REGIMES["balanced"], TAILED, seed=7) == first
     assert predict(lay, REGIMES["balanced"], TAILED, seed=8).step_s != first.step_s
+
+
+def test_per_step_work_outside_train_and_sync_counts_as_trainer_idle():
+    """As the run's timeline counts it (`metrics/timeline.py`: busy = trainer + weight_sync)."""
+    c = costs(train_per_token_s=3e-3, step_overhead_s=1.0)  # trainer-bound: it never waits
+    train, sync = hand_train_s(c), c.sync_transfer_s + c.pause_s
+    p = predict(layout(max_staleness=1, max_ahead_batches=1.0), c, Lengths.constant(L, P))
+    assert p.step_s == pytest.approx(1.0 + train + sync, rel=0.01)
+    assert p.trainer_idle == pytest.approx(1.0 / (1.0 + train + sync), rel=0.01)

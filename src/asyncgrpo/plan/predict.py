@@ -34,12 +34,12 @@ def predict(
     measured = steps - warmup
     samples = measured * layout.batch_groups * layout.num_generations
     busy = sum(_overlap(e.busy, t0, t1) for e in sim.engines) / len(sim.engines)
-    waits = [(a, b) for a, b in sim.trainer_waits if a is not None]
+    trainer = [(a, b) for name, a, b in sim.spans if name in ("train", "sync")]
     return Prediction(
         samples_per_s=samples / window,
         step_s=window / measured,
         engine_idle=1.0 - busy / window,
-        trainer_idle=_overlap(waits, t0, t1) / window,
+        trainer_idle=1.0 - _overlap(trainer, t0, t1) / window,
         staleness=dict(sorted(Counter(sim.staleness[warmup * layout.batch_groups :]).items())),
         dropped_stale=sim.dropped_stale,
         timeline=sim.spans + [(f"engine{e.index}", a, b) for e in sim.engines for a, b in e.busy],

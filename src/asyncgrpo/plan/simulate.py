@@ -93,8 +93,6 @@ class Simulation:
         self.in_flight = self.consumed = self.version = self.engine_version = 0
         self.turn = 0  # round-robin among replicas tied on outstanding work
         self.trainer_busy = False
-        self.trainer_waits: list[tuple[float, float]] = []
-        self.waiting_since: float | None = 0.0
         self.step_ends: list[float] = []
         self.staleness: list[int] = []
         self.dropped_stale = 0
@@ -178,11 +176,12 @@ class Simulation:
         batch = [self.queue.popleft() for _ in range(lay.batch_groups)]
         self.consumed += lay.batch_groups
         self.staleness.extend(self.version - g.min_version for g in batch)
-        self.trainer_waits.append((self.waiting_since, now))
-        self.trainer_busy, self.waiting_since = True, None
+        self.trainer_busy = True
         tokens = sum(g.tokens for g in batch)
         took = self.costs.step_overhead_s + self.costs.train_step_s(tokens, lay.trainer_ranks)
-        self.spans.append(("train", now, now + took))
+        # as the run's timeline counts it, the trainer is busy training or syncing; its
+        # other per-step work (the row, samples, checkpoints) counts as idle
+        self.spans.append(("train", now + self.costs.step_overhead_s, now + took))
         self.push(now + took, "trained")
         self.admit(now)
 
@@ -241,7 +240,7 @@ class Simulation:
             self.trainer_idle(now)
 
     def trainer_idle(self, now: float) -> None:
-        self.trainer_busy, self.waiting_since = False, now
+        self.trainer_busy = False
         self.try_train(now)
 
     # ---- the run --------------------------------------------------------------------
