@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the Tinker training API for LoRA models (see `asyncgrpo tinker-serve --help`)",
         add_help=False,
     )
+    commands.add_parser(
+        "plan",
+        help="predict throughput, idle time and staleness of layouts (see `asyncgrpo plan --help`)",
+        add_help=False,
+    )
     add_serve_parser(commands)
     add_export_parser(commands)
     return parser
@@ -328,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         from asyncgrpo.metrics import plot_main
 
         return plot_main(argv[1:])
+    if argv[:1] == ["plan"]:  # and `plan` (a grid of layouts; imports no torch)
+        from asyncgrpo.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
     if argv[:1] == ["tinker-serve"]:  # and `tinker-serve` (its own server)
         from asyncgrpo.tinker.serve import main as tinker_main
 
