@@ -179,3 +179,43 @@ def test_sampling_args_cannot_override_the_recipes_temperature():
         RunConfig.model_validate(
             {"agent": {"verifiers": {"id": "x", "sampling_args": {"temperature": 0.5}}}}
         )
+
+
+def test_how_a_verifiers_rollout_ended_becomes_its_stop_reason():
+    import httpx
+    import openai
+    import verifiers.legacy as vf
+
+    from asyncgrpo.agents.rollout_api import EnvironmentFailure
+    from asyncgrpo.agents.trajectory import StopReason
+    from asyncgrpo.environments.verifiers_episodes import VerifiersRollout
+
+    ending = VerifiersRollout(vf, None, {}).ending
+    request = httpx.Request("POST", "http://gateway/v1/chat/completions")
+
+    def model_error(cause: Exception) -> Exception:
+        try:
+            raise vf.ModelError() from cause
+        except vf.ModelError as exc:
+            return exc
+
+    def refused(text: str) -> Exception:
+        response = httpx.Response(400, request=request, json={"error": {"message": text}})
+        return openai.BadRequestError(text, response=response, body=None)
+
+    done = {"error": None, "stop_condition": "max_turns_reached"}  # a SingleTurnEnv's end
+    assert ending(done).stop_reason == StopReason.OK and ending(done).context is done
+    assert ending({"error": None, "is_truncated": True}).stop_reason == StopReason.LENGTH
+    assert ending({"error": None, "prompt_too_long": True}).stop_reason == StopReason.LENGTH
+    assert ending({"error": None, "timed_out": True}).stop_reason == StopReason.TIMEOUT
+    empty = ending({"error": vf.EmptyModelResponseError("no content")})
+    assert empty.stop_reason == StopReason.OK  # the model's fault: the rubric scores it
+    assert empty.info == {"verifiers_error": "EmptyModelResponseError"}
+    past = ending({"error": model_error(refused("max_turns=2 reached for this episode"))})
+    assert past.stop_reason == StopReason.MAX_TURNS and past.context is not None
+    with pytest.raises(openai.APIConnectionError):  # the runner's infra_error
+        ending({"error": model_error(openai.APIConnectionError(request=request))})
+    with pytest.raises(openai.BadRequestError):  # another 4xx: the runner's tool_error
+        ending({"error": model_error(refused("messages: bad role"))})
+    with pytest.raises(EnvironmentFailure):
+        ending({"error": vf.SandboxError("sandbox gone")})

@@ -23,8 +23,9 @@ Decisions, stated:
   again. The model's bad output is verifiers' business: it records an empty or
   invalid reply (or a tool error it stops on) in `state["error"]` and its rubric scores
   the rollout, and so do we. An error whose cause is the gateway (unreachable, 5xx,
-  an expired episode) is an infra_error; the gateway's `max_turns` refusal ends the
-  episode `max_turns`, still scored; verifiers' "maximum context length" handling
+  an expired episode) is an infra_error. The environment's own stop conditions (its
+  `max_turns` included) end the episode `ok`; the gateway's refusal past
+  `agent.max_turns` ends it `max_turns`, still scored; verifiers' "maximum context length" handling
   (`prompt_too_long`) and replies cut by `max_tokens` end it `length`, still scored.
 - Sampling: the environment's `sampling_args`, then `agent.verifiers.sampling_args`,
   then `rollout.temperature`, `rollout.top_p` and `rollout.max_tokens` (per call), which

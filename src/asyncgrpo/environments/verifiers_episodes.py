@@ -56,8 +56,8 @@ class VerifiersRollout:
             stop = StopReason.TIMEOUT
         elif state.get("prompt_too_long") or state.get("is_truncated"):
             stop = StopReason.LENGTH
-        elif state.get("stop_condition") == "max_turns_reached":
-            stop = StopReason.MAX_TURNS
+        # the environment's own stop conditions (its max_turns included: a SingleTurnEnv
+        # always reaches it) end the episode `ok`; `max_turns` is the gateway's refusal
         return Result(None, stop, info=info, context=state)
 
 
