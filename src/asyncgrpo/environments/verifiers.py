@@ -72,9 +72,11 @@ def classic_api() -> Any:
     try:
         root = importlib.import_module("verifiers")
     except ImportError as exc:
-        raise ConfigError(
-            "agent.verifiers needs the verifiers package: pip install 'asyncgrpo[verifiers]'"
-        ) from exc
+        if exc.name == "verifiers":
+            raise ConfigError(
+                "agent.verifiers needs the verifiers package: pip install 'asyncgrpo[verifiers]'"
+            ) from exc
+        raise ConfigError(f"agent.verifiers: the verifiers package fails to import: {exc}") from exc
     try:
         return importlib.import_module("verifiers.legacy")
     except ImportError:
@@ -132,7 +134,8 @@ def _signal_handlers() -> dict | None:
 
 def _restore_signal_handlers(saved: dict | None) -> None:
     for signum, handler in (saved or {}).items():
-        signal.signal(signum, handler)
+        if handler is not None:  # None: set outside Python, cannot be put back
+            signal.signal(signum, handler)
 
 
 def sampling_args(cfg: Any, env: Any) -> dict[str, Any]:
