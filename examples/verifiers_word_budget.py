@@ -16,6 +16,10 @@ replies — "Now describe the sea in exactly 6 words." — the model replies. Th
   and `infos`, so verifiers scores it over the whole group at once): 1 for the episode(s)
   of the group that hit both budgets exactly with the fewest characters in total, 0 for
   the others. No single rollout can compute it: it needs its siblings.
+
+Measured (recipes/verifiers_word_budget.yaml, 20 steps on 2 shared CPU cores): held-out
+reward 0.36 at step 0 -> 0.83 at step 20 (word_budget 0.36 -> 0.73; the group bonus
+0.00 -> 0.22 of episodes).
 """
 
 from __future__ import annotations
