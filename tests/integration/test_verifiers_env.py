@@ -55,7 +55,7 @@ def test_a_verifiers_environment_trains_on_the_sampled_tokens(
             "agent.episode_timeout_s": 60,
             "agent.verifiers": {
                 "id": "verifiers_test_env",
-                "args": {"fail_first": 2},
+                "args": {"fail_first": 2, "eval_size": 0},  # no evaluation: faster
                 "sampling_args": {"logprobs": True, "extra_body": {"return_token_ids": True}},
             },
         },

@@ -40,7 +40,7 @@ class ObservationEnv(vf.MultiTurnEnv):
         return [{"role": "user", "content": "observation: 42"}]
 
 
-def load_environment(fail_first: int = 0, size: int = 20):
+def load_environment(fail_first: int = 0, size: int = 20, eval_size: int = 2):
     prompts = [f"say {w}" for w in ("a", "b", "c", "d", "e")]
     rows = [
         {"prompt": [{"role": "user", "content": prompts[i % 5]}], "answer": str(i)}
@@ -50,7 +50,7 @@ def load_environment(fail_first: int = 0, size: int = 20):
     return ObservationEnv(
         fail_first,
         dataset=Dataset.from_list(rows),
-        eval_dataset=Dataset.from_list(rows[:2]),
+        eval_dataset=Dataset.from_list(rows[:eval_size]) if eval_size else None,
         rubric=rubric,
         max_turns=2,
     )
