@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from asyncgrpo.config.base import Section
 
@@ -39,3 +39,19 @@ class VerifiersConfig(Section):
     underscores), as `verifiers.load_environment` does."""
     args: dict[str, Any] = {}
     """Keyword arguments of its `load_environment`."""
+    sampling_args: dict[str, Any] = {}
+    """Chat-call arguments merged over the environment's own `sampling_args` (e.g. `stop`,
+    `extra_body`). Temperature, top_p and max_tokens come from the `rollout` section (the
+    trainer must use the same temperature and top_p)."""
+
+    @field_validator("sampling_args")
+    @classmethod
+    def _not_the_recipes(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "n"}
+        clash = sorted(owned & set(value))
+        if clash:
+            raise ValueError(
+                f"{clash} come from the rollout section (rollout.temperature, rollout.top_p, "
+                "rollout.max_tokens; one completion per call), not from sampling_args"
+            )
+        return value
