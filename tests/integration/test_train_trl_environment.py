@@ -218,3 +218,66 @@ def test_environment_episodes_train_on_the_gateway_tokens(tmp_path, tool_model_d
     retries = sum(x["episode_infra_retries"] for x in train_lines)
     assert infra >= 1 and retries >= 1, train_lines
     assert "reward/Lookup" in train_lines[-1] and "reward/used_the_tool" in train_lines[-1]
+
+
+# A TRL script as its docs show it; the test renames the two classes and nothing else.
+TRL_SCRIPT = '''
+from trl import GRPOConfig, GRPOTrainer
+
+
+class Library:
+    def __init__(self):
+        self.looked = []
+
+    def reset(self, **kwargs):
+        self.looked = []
+
+    def look(self, key: str) -> str:
+        """Look a key up in the library.
+
+        Args:
+            key: the key to look up
+        """
+        self.looked.append(key)
+        return "found " + key
+
+    def get_reward(self) -> float:
+        return float(len(self.looked))
+
+
+dataset = [{"prompt": [{"role": "user", "content": f"Find key {i}."}]} for i in range(16)]
+args = GRPOConfig(
+    output_dir=OUTPUT_DIR,
+    max_steps=2,
+    per_device_train_batch_size=6,
+    num_generations=3,
+    max_completion_length=40,
+    max_tool_calling_iterations=1,
+    learning_rate=1e-3,
+    logging_steps=1,
+    bf16=False,
+)
+trainer = GRPOTrainer(
+    model=MODEL, args=args, train_dataset=dataset, environment_factory=Library
+)
+trainer.train()
+'''
+
+
+@pytest.mark.heavy  # two engine starts with default settings: ~1-2 min on 2 busy cores
+def test_a_trl_environment_factory_script_runs_with_the_classes_renamed(tmp_path, tool_model_dir):
+    script = TRL_SCRIPT.replace(
+        "from trl import GRPOConfig, GRPOTrainer",
+        "from asyncgrpo import AsyncGRPOConfig as GRPOConfig, AsyncGRPOTrainer as GRPOTrainer",
+    )
+    namespace = {"OUTPUT_DIR": str(tmp_path), "MODEL": str(tool_model_dir)}
+    exec(compile(script, "trl_script.py", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.args.agent.max_turns == 2  # max_tool_calling_iterations + 1
+    lines = read_jsonl(trainer.run_dir / "metrics.jsonl")
+    train_lines = [x for x in lines if x["kind"] == "train"]
+    assert [x["version"] for x in train_lines] == [1, 2]
+    # get_reward is the only reward: a column named after the class, and the taught model's
+    # calls ran on the instances (one look per episode: the second reply's call is not run)
+    assert all(x["reward/Library"] is not None for x in train_lines), train_lines
+    assert any(x["reward/Library"] > 0 for x in train_lines), train_lines
