@@ -331,3 +331,15 @@ def test_tools_alone_need_reward_funcs_and_environment_instances_refuse_process_
     cfg = AsyncGRPOConfig(**{"rollout.reward_workers": "process"})
     with pytest.raises(ConfigError, match="reward_workers"):
         trl_source(cfg, RewardRunner([len]), None, Shop)
+
+
+def test_a_recipe_names_the_class_by_its_dotted_path():
+    from asyncgrpo.environments import episode_source
+
+    cfg = AsyncGRPOConfig(**{"agent.environment": "test_trl_environments:Shop"})
+    source = episode_source(cfg, reward_funcs=None)
+    assert source.scorer.names == ["Shop"]  # get_reward alone: rewards may be omitted
+    assert source.train_rows == [{"prompt": [{"role": "user", "content": ""}]}] * 4  # TRL's
+    cfg = AsyncGRPOConfig(**{"agent.environment": "test_trl_environments:Shopp"})
+    with pytest.raises(ConfigError, match="agent.environment: cannot load"):
+        episode_source(cfg, reward_funcs=None)
