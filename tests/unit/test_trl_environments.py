@@ -72,7 +72,7 @@ class Shop:
 def test_public_functions_other_than_reset_and_get_reward_are_the_tools():
     kind = read_environment(None, Shop)
     assert kind.tool_names == ("catalogue", "count", "restock")  # sorted, as getmembers lists
-    assert kind.has_reward and not kind.async_reward
+    assert kind.has_reward
     rollout = TrlRollout([kind], [], 4, {})
     env = Shop()
     toolbox = ToolBox([getattr(env, n) for n in kind.tool_names])
@@ -343,3 +343,20 @@ def test_a_recipe_names_the_class_by_its_dotted_path():
     cfg = AsyncGRPOConfig(**{"agent.environment": "test_trl_environments:Shopp"})
     with pytest.raises(ConfigError, match="agent.environment: cannot load"):
         episode_source(cfg, reward_funcs=None)
+
+
+def test_an_async_get_reward_and_an_async_reset_are_awaited():
+    class Judged(Shop):
+        async def reset(self, **row):
+            return " (judged)"
+
+        async def get_reward(self) -> float:
+            await asyncio.sleep(0)
+            return 0.25
+
+    rollout = TrlRollout([read_environment(None, Judged)], [], 2, {})
+    llm = ScriptedLLM([_reply("done")])
+    result = run(rollout({"prompt": [{"role": "user", "content": "Q"}]}, llm))
+    assert result.stop_reason == StopReason.OK
+    assert result.context.reward == 0.25
+    assert llm.requests[0]["messages"][-1]["content"] == "Q (judged)"

@@ -38,8 +38,7 @@ class EnvironmentKind:
     factory: Callable[[], Any]
     cls: type
     tool_names: tuple[str, ...]
-    has_reward: bool
-    async_reward: bool
+    has_reward: bool  # sync or async: the rollout awaits what get_reward() returns
 
 
 def tool_method_names(cls: type) -> list[str]:
@@ -112,7 +111,6 @@ def read_environment(name: str | None, factory: Any) -> EnvironmentKind:
         cls,
         tuple(names),
         inspect.isfunction(get_reward),
-        inspect.iscoroutinefunction(get_reward),
     )
 
 
