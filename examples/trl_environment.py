@@ -12,7 +12,9 @@ The task: "How many boxes of pears are in stock?" The model cannot know: it must
 any call ran, else 0; `stated_count` 1.0 when the final reply contains the number.
 SmolLM2's chat template has no tools, so the gateway describes them in a system message;
 as in examples/calculator_agent.py, a 135M model copies the call format only from a
-worked exchange, so every prompt starts with one (`DEMONSTRATION`).
+worked exchange, so every prompt starts with one (`DEMONSTRATION`). Measured (one run of
+recipes/trl_environment.yaml, 2 busy CPU cores): held-out reward 0.23 before training,
+0.91 after 3 steps; the recipe's comments have the details.
 
     from examples.trl_environment import Warehouse, stated_count, rows
     AsyncGRPOTrainer(model="smollm2-135m", reward_funcs=[stated_count],
