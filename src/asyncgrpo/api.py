@@ -15,7 +15,9 @@ YAML recipe, with the same did-you-mean errors, every mistake in one error.
 `AsyncGRPOTrainer` takes TRL's arguments: a model name, directory or object (with
 `processing_class`, its tokenizer), reward functions (callables, built-in names or
 dotted paths), and a `datasets.Dataset`, `DatasetDict` (its `train` split), list of
-dicts or data file path. They are checked before the engine starts. `save_model(dir)`
+dicts or data file path, and TRL's `tools=[fn, ...]` and `environment_factory=Cls` (or
+`{name: Cls}`), run as episodes through the engine's gateway (`environments/trl.py`).
+They are checked before the engine starts. `save_model(dir)`
 exports the trained policy as a Hugging Face directory.
 """
 
@@ -55,6 +57,8 @@ class AsyncGRPOTrainer:
         eval_dataset: Any = None,
         args: RunConfig | None = None,
         processing_class: Any = None,
+        tools: list | None = None,
+        environment_factory: Any = None,
     ):
         self.args = args or RunConfig()
         if reward_funcs is not None and not isinstance(reward_funcs, list | tuple):
@@ -64,7 +68,31 @@ class AsyncGRPOTrainer:
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.tokenizer = processing_class
+        self.tools = tools
+        self.environment_factory = environment_factory
+        if tools is not None or environment_factory is not None:
+            self._check_environment()
         self.run_dir: Path | None = None
+
+    def _check_environment(self) -> None:
+        """TRL's `tools=` / `environment_factory=`, checked now rather than at the first
+        episode (`environments/trl_classes.py`)."""
+        from asyncgrpo.environments.trl_classes import check_tools, read_environments
+
+        check_tools(self.tools)
+        kinds = read_environments(self.environment_factory) if self.environment_factory else []
+        has_rewards = self.reward_funcs or (self.reward_funcs is None and self.args.rewards)
+        if not has_rewards and not any(kind.has_reward for kind in kinds):
+            raise ConfigError(
+                "no reward source: pass reward_funcs, or an environment_factory class with a "
+                "get_reward() method"
+            )
+        named = any(kind.name is not None for kind in kinds)
+        if named and self.train_dataset is None and not self.args.dataset:
+            raise ConfigError(
+                "environment_factory={name: Class} needs a train_dataset whose `environment` "
+                "column picks each row's environment"
+            )
 
     def train(
         self,
@@ -88,6 +116,8 @@ class AsyncGRPOTrainer:
             reward_funcs=self.reward_funcs,
             train_dataset=self.train_dataset,
             eval_dataset=self.eval_dataset,
+            tools=self.tools,
+            environment_factory=self.environment_factory,
         )
         return self.run_dir
 

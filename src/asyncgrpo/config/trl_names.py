@@ -184,6 +184,15 @@ def _scale_rewards(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
     return {"advantage.scale_rewards": value}, None
 
 
+def _tool_iterations(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
+    """TRL counts tool rounds after the first reply; agent.max_turns counts every reply."""
+    if value is None:  # TRL: unbounded
+        return {}, "max_tool_calling_iterations=None: agent.max_turns bounds each episode"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise Unsupported(f"max_tool_calling_iterations must be an integer >= 0 (got {value!r})")
+    return {"agent.max_turns": value + 1}, None
+
+
 TRL_RULES: dict[str, Rule] = {
     "max_completion_length": _same("rollout.max_tokens"),
     "loss_type": _loss_type,
@@ -210,6 +219,7 @@ TRL_RULES: dict[str, Rule] = {
     "vllm_server_port": _read_by_use_vllm,
     "report_to": _report_to,
     "scale_rewards": _scale_rewards,
+    "max_tool_calling_iterations": _tool_iterations,
     "top_k": _neutral("top_k", (0, -1, None), "0 (disabled, TRL's default)"),
     "repetition_penalty": _neutral("repetition_penalty", (1.0,), "1.0 (TRL's default)"),
 }
@@ -231,6 +241,7 @@ TRL_TARGETS = {
     "vllm_server_base_url": "engine.base_url",
     "max_prompt_length": "rollout.max_prompt_length",
     "mask_truncated_completions": "loss.mask_truncated_completions",
+    "max_tool_calling_iterations": "agent.max_turns",
 }
 
 

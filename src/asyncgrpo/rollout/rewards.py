@@ -207,21 +207,35 @@ class RewardRunner:
             raise RewardSpecError(f"reward workers {workers!r}: expected 'thread' or 'process'")
 
     async def score_group(
-        self, row: dict, texts: list[str], completion_ids: list[list[int]]
+        self,
+        row: dict,
+        texts: list[str],
+        completion_ids: list[list[int]],
+        *,
+        prompts: list | None = None,
+        completions: list | None = None,
+        extra: dict[str, list] | None = None,
     ) -> list[list[float | None]]:
-        """One list per reward function, each with a float or None per completion."""
+        """One list per reward function, each with a float or None per completion.
+
+        Episode sources pass what TRL would: `prompts` (one per completion, e.g. with an
+        environment's `reset` text appended), `completions` (whole conversations of
+        assistant and tool messages) and `extra` keyword lists (`environments=`); by
+        default the row's prompt and the texts as single replies."""
         n = len(texts)
-        prompt = row["prompt"]
-        conversational = isinstance(prompt, list)
-        completions = (
-            [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        )
+        prompt = row.get("prompt", "")
+        if completions is None:
+            conversational = isinstance(prompt, list)
+            completions = (
+                [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+            )
         columns = {k: [v] * n for k, v in row.items() if k != "prompt"}
         kwargs = dict(
-            prompts=[prompt] * n,
+            prompts=prompts if prompts is not None else [prompt] * n,
             completions=completions,
             completion_ids=completion_ids,
             **columns,
+            **(extra or {}),
         )
         results = await asyncio.gather(
             *[self._call(i, kwargs) for i in range(len(self.funcs))], return_exceptions=True
