@@ -294,7 +294,7 @@ def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func, source=No
                 "agent episodes ignore it (engine.max_model_len bounds them)"
             )
         if source is not None:
-            graders = None if source.scorer is not None else rewards
+            graders = None if source.scores_with_rewards else rewards
             return EpisodeGroupBuilder(
                 client,
                 source.rollout,

@@ -32,6 +32,8 @@ class EpisodeSource:
     train_rows: list[dict] | None = None  # the environment's own dataset, if it has one
     eval_rows: list[dict] | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)  # servers to stop, ...
+    scores_with_rewards: bool = False  # the scorer calls the run's reward functions (TRL);
+    # otherwise they grade each episode's final reply, as metrics only (as for agent.rollout)
 
 
 def wants_source(cfg: RunConfig, tools: Any = None, environment_factory: Any = None) -> bool:

@@ -92,7 +92,7 @@ def trl_source(cfg: Any, reward_funcs: Any, tools: Any, environment_factory: Any
     scorer = TrlScorer(reward_funcs, reward_classes)
     single = len(kinds) == 1 and kinds[0].name is None
     train_rows = [{"prompt": list(EMPTY_PROMPT)}] * cfg.coordinator.batch_groups if single else None
-    return EpisodeSource(rollout, scorer, train_rows=train_rows)
+    return EpisodeSource(rollout, scorer, train_rows=train_rows, scores_with_rewards=True)
 
 
 def _reward_classes(kinds: list[EnvironmentKind]) -> list[type]:
