@@ -1,0 +1,97 @@
+"""Guess the number: a small OpenEnv environment server, trained by `recipes/openenv_guess.yaml`.
+
+Written with OpenEnv's own server pieces (`Environment`, typed `Action` / `Observation`,
+`create_app`), the way an OpenEnv user writes one; asyncgrpo serves it with uvicorn
+(`agent.openenv.app: examples.openenv_guess:app`) and plays one WebSocket session per
+episode. Run it alone with `uvicorn examples.openenv_guess:app --port 8000` and point a
+recipe at it with `agent.openenv.url: http://127.0.0.1:8000` instead.
+
+The game: `reset(seed)` picks a secret from 1 to `HIGHEST` (the seed decides it, so the
+episodes of a GRPO group play the same secret); each `guess(number)` is one step, answered
+`higher`, `lower` or `correct`. The episode ends at the right guess (reward 1.0, minus 0.1
+per guess after the first: finding it sooner is better) or after `MAX_GUESSES` wrong ones
+(reward 0). A number outside 1..HIGHEST fails the action's validation (a tool error the
+model reads, not a step). Random distinct guesses find the secret 6 times in 16;
+following the feedback (halving) always does, within 4 guesses.
+
+Sessions are independent (all state lives on the instance), so the class says
+`SUPPORTS_CONCURRENT_SESSIONS = True` and the app allows 64 sessions at once: a group of 8
+episodes needs 8, and a run keeps several groups in flight.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from openenv.core.env_server import Action, Environment, Observation, State, create_app
+from pydantic import Field
+
+HIGHEST = 16
+MAX_GUESSES = 6
+MAX_SESSIONS = 64
+
+
+class GuessAction(Action):
+    """Guess the secret number; the answer says whether it is higher, lower or correct."""
+
+    number: int = Field(ge=1, le=HIGHEST, description=f"your guess, from 1 to {HIGHEST}")
+
+
+class GuessObservation(Observation):
+    message: str = Field(description="what the game master says")
+
+
+class GuessState(State):
+    secret: int = 0
+    guesses: list[int] = Field(default_factory=list)
+
+
+class GuessEnvironment(Environment[GuessAction, GuessObservation, GuessState]):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        super().__init__()
+        self._state = GuessState()
+
+    def reset(
+        self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
+    ) -> GuessObservation:
+        secret = random.Random(seed).randint(1, HIGHEST)
+        self._state = GuessState(episode_id=episode_id, secret=secret)
+        return GuessObservation(
+            message=(
+                f"I picked a whole number from 1 to {HIGHEST}. Find it with the guess tool: "
+                f"after each guess I say higher, lower or correct. You have {MAX_GUESSES} "
+                "guesses."
+            )
+        )
+
+    def step(self, action: GuessAction, timeout_s: float | None = None, **kwargs: Any):
+        state = self._state
+        state.step_count += 1
+        state.guesses.append(action.number)
+        left = MAX_GUESSES - len(state.guesses)
+        if action.number == state.secret:
+            reward = 1.0 - 0.1 * (len(state.guesses) - 1)
+            return GuessObservation(message="correct", done=True, reward=round(reward, 2))
+        hint = "higher" if state.secret > action.number else "lower"
+        if left == 0:
+            return GuessObservation(
+                message=f"{hint}; no guesses left, it was {state.secret}", done=True, reward=0.0
+            )
+        return GuessObservation(message=f"{hint} ({left} left)", reward=0.0)
+
+    @property
+    def state(self) -> GuessState:
+        return self._state
+
+
+app = create_app(
+    GuessEnvironment,
+    GuessAction,
+    GuessObservation,
+    env_name="guess_number",
+    max_concurrent_envs=MAX_SESSIONS,
+    state_cls=GuessState,
+)
