@@ -224,15 +224,12 @@ async def act(env: EnvSession, checker: ActionChecker, call: Any, tally: Episode
     return render_observation(result.observation or {})
 
 
-def episode_rollout(url: str, tool: dict[str, Any], cfg: RunConfig):
-    """The rollout function: one session per episode (see the module docstring)."""
-    openenv_cfg: OpenEnvConfig = cfg.agent.openenv  # type: ignore[assignment]
+def episode_rollout(
+    url: str, tool: dict[str, Any], openenv_cfg: OpenEnvConfig, max_turns: int, **sampling: Any
+):
+    """The rollout function: one session per episode (see the module docstring); `sampling`
+    goes to every chat call (temperature, top_p, max_tokens)."""
     checker = ActionChecker(tool)
-    sampling = dict(
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_tokens=cfg.rollout.max_tokens,
-    )
 
     async def play(row: dict, llm: LLM) -> Result:
         tally = EpisodeTally()
@@ -243,7 +240,7 @@ def episode_rollout(url: str, tool: dict[str, Any], cfg: RunConfig):
             opening = render_observation(first.observation or {})
             messages = opening_messages(row, openenv_cfg.prompt, opening)
             async with llm.client() as oai:
-                for _ in range(cfg.agent.max_turns):
+                for _ in range(max_turns):
                     response = await oai.chat.completions.create(
                         model=llm.model, messages=messages, tools=[tool], **sampling
                     )
@@ -354,7 +351,15 @@ def openenv_source(cfg: RunConfig) -> EpisodeSource:
     logger.info("OpenEnv action tool: %s", json.dumps(tool["function"]))
     train, held_out = seed_rows(openenv_cfg)
     return EpisodeSource(
-        rollout=episode_rollout(url, tool, cfg),
+        rollout=episode_rollout(
+            url,
+            tool,
+            openenv_cfg,
+            cfg.agent.max_turns,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_tokens=cfg.rollout.max_tokens,
+        ),
         train_rows=train,
         eval_rows=held_out,
         closers=[served.stop] if served is not None else [],

@@ -29,13 +29,20 @@ logger = logging.getLogger(__name__)
 class ServedApp:
     """An OpenEnv app served by uvicorn in a child process; `stop()` ends it."""
 
-    def __init__(self, app: str, startup_timeout_s: float = 60.0):
+    def __init__(self, app: str, startup_timeout_s: float = 60.0, app_dir: str | None = None):
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile()  # the child's output, read back if it fails
         cmd = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--log-level", "warning", "--app-dir", os.getcwd()]
+        cmd += [
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            "--app-dir",
+            app_dir or os.getcwd(),
+        ]
         self.process = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
