@@ -21,13 +21,13 @@ episodes needs 8, and a run keeps several groups in flight.
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 from openenv.core.env_server import Action, Environment, Observation, State, create_app
 from pydantic import Field
 
-HIGHEST = 16
+from examples.openenv_guess_rules import HIGHEST, secret_for
+
 MAX_GUESSES = 6
 MAX_SESSIONS = 64
 
@@ -57,7 +57,7 @@ class GuessEnvironment(Environment[GuessAction, GuessObservation, GuessState]):
     def reset(
         self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any
     ) -> GuessObservation:
-        secret = random.Random(seed).randint(1, HIGHEST)
+        secret = secret_for(seed)
         self._state = GuessState(episode_id=episode_id, secret=secret)
         return GuessObservation(
             message=(

@@ -245,13 +245,18 @@ def test_observations_and_the_opening_messages():
         '{"board": [1, 2], "turn": "x"}'
     )
     assert adapter.opening_messages({}, None, "obs") == [{"role": "user", "content": "obs"}]
-    assert adapter.opening_messages({"prompt": "Play."}, "unused", "obs") == [
+    assert adapter.opening_messages({"prompt": "Play."}, None, "obs") == [
         {"role": "user", "content": "Play.\n\nobs"}
     ]
     system = {"role": "system", "content": "Be brief."}
-    shown = adapter.opening_messages({}, [system, {"role": "user", "content": "Go."}], "obs")
-    assert shown == [system, {"role": "user", "content": "Go.\n\nobs"}]
-    assert adapter.opening_messages({}, [system], "obs") == [
-        system,
+    example = [system, {"role": "user", "content": "Go."}, {"role": "assistant", "content": "8"}]
+    assert adapter.opening_messages({"prompt": "Again."}, example, "obs") == [
+        *example,
+        {"role": "user", "content": "Again.\n\nobs"},
+    ]
+    assert adapter.opening_messages({}, example, "obs") == [
+        *example,
         {"role": "user", "content": "obs"},
     ]
+    assert adapter.opening_messages({}, "Go.", "obs") == [{"role": "user", "content": "Go.\n\nobs"}]
+    assert example[1] == {"role": "user", "content": "Go."}  # the shared preamble untouched

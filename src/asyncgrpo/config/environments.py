@@ -26,10 +26,9 @@ class OpenEnvConfig(Section):
     startup_timeout_s: float = Field(60.0, gt=0)
     """With `app`: how long the server may take to answer `/health` before the run stops."""
     prompt: str | list[dict[str, Any]] | None = None
-    """What each episode shows before the first observation when its row has no `prompt`
-    (the rows made from `seeds`): a user message's text, or chat messages (a system
-    prompt, a worked example). The first observation is appended to its last user
-    message, or follows as a new one."""
+    """What every episode opens with, before its row's `prompt` and the first observation:
+    a user message's text, or chat messages (a system prompt, a worked example). The first
+    observation is appended to the last user message, or follows as a new one."""
     seeds: int = Field(1000, ge=1)
     """Without a `dataset:`, the training rows are `{"seed": 0}` ... `{"seed": seeds - 1}`:
     each episode calls `reset(seed=...)`, and a group's episodes share their row's seed."""

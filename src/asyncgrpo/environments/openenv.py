@@ -13,9 +13,10 @@ An episode (`play`), driven with OpenEnv's own async `GenericEnvClient`:
 - `reset(**row)`: every column of the row but `prompt` goes to `reset`, which keeps
   those it accepts (OpenEnv filters them by its signature), as TRL's
   `environment_factory` calls `reset(**row)`. Without a `dataset:` the rows are
-  `{"seed": i}`, so a group's episodes play the same task. The first observation is
-  appended to the last user message of the row's `prompt` (or `agent.openenv.prompt`),
-  or becomes the first user message.
+  `{"seed": i}`, so a group's episodes play the same task. The conversation opens with
+  `agent.openenv.prompt` (shared: a system prompt, a worked example), then the row's
+  `prompt`; the first observation is appended to the last user message, or becomes a
+  user message of its own.
 - each tool call of a reply is one `step(action)`; the observation comes back as the
   tool message (carrying no loss, as every tool message); rewards are summed until an
   observation says `done` (stop reason ok) or `agent.max_turns` chat calls pass
@@ -90,17 +91,21 @@ def render_observation(observation: dict[str, Any]) -> str:
     return json.dumps(fields, ensure_ascii=False, default=str)
 
 
-def opening_messages(row: dict, default_prompt: Any, first_observation: str) -> list[dict]:
-    """The row's prompt (or the default) with the first observation after it."""
-    prompt = row.get("prompt", default_prompt)
+def _as_messages(prompt: str | list[dict] | None) -> list[dict]:
     if prompt is None:
-        return [{"role": "user", "content": first_observation}]
+        return []
     if isinstance(prompt, str):
-        return [{"role": "user", "content": f"{prompt}\n\n{first_observation}"}]
-    messages = [dict(m) for m in prompt]
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
+def opening_messages(row: dict, preamble: Any, first_observation: str) -> list[dict]:
+    """`agent.openenv.prompt`, then the row's prompt, then the first observation: appended to
+    the last user message, or a user message of its own."""
+    messages = _as_messages(preamble) + _as_messages(row.get("prompt"))
     last = messages[-1] if messages else {}
     if last.get("role") == "user" and isinstance(last.get("content"), str):
-        last["content"] = f"{last['content']}\n\n{first_observation}"
+        messages[-1] = {**last, "content": f"{last['content']}\n\n{first_observation}"}
     else:
         messages.append({"role": "user", "content": first_observation})
     return messages
