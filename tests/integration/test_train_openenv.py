@@ -15,8 +15,10 @@ engine behind the same gateway.)
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 from test_train import Recorder, base_config, flat, read_jsonl
 from transformers import AutoTokenizer
 
@@ -91,3 +93,19 @@ def test_training_on_an_openenv_server(tmp_path, long_model_dir, monkeypatch):
     assert server.process.poll() is not None  # stopped with the run
     accounting = json.loads((run_dir / "accounting.json").read_text())
     assert accounting["consumed"] == 4, accounting
+
+
+@pytest.mark.slow
+def test_smollm2_learns_guess_the_number_from_the_openenv_example(tmp_path, monkeypatch):
+    """recipes/openenv_guess.yaml on SmolLM2-135M, cut to a few steps: the held-out reward
+    (16 seeds x 2 sampled episodes) after training beats the one before."""
+    root = Path(__file__).parents[2]
+    monkeypatch.chdir(root)  # the recipe's app, dataset and grader are paths from the root
+    cfg = yaml.safe_load((root / "recipes" / "openenv_guess.yaml").read_text())
+    cfg.update(output_dir=str(tmp_path), max_steps=6, eval_steps=3, max_time_s=1800)
+    run_dir = train(AsyncGRPOConfig(**flat(cfg)))
+    evals = [x for x in read_jsonl(run_dir / "metrics.jsonl") if x["kind"] == "eval"]
+    rewards = [x["eval_reward_mean"] for x in evals]
+    print("held-out reward by evaluation:", rewards)
+    print("finished the game:", [x.get("eval_env_done") for x in evals])
+    assert len(rewards) >= 2 and rewards[-1] > rewards[0], rewards
