@@ -8,9 +8,13 @@ recipe at it with `agent.openenv.url: http://127.0.0.1:8000` instead.
 
 The game: `reset(seed)` picks a secret from 1 to `HIGHEST` (the seed decides it, so the
 episodes of a GRPO group play the same secret); each `guess(number)` is one step, answered
-`higher`, `lower` or `correct`. The episode ends at the right guess (reward 1.0, minus 0.1
-per guess after the first: finding it sooner is better) or after `MAX_GUESSES` wrong ones
-(reward 0). A number outside 1..HIGHEST fails the action's validation (a tool error the
+`higher`, `lower` or `correct`. The episode ends at the right guess or after `MAX_GUESSES`
+wrong ones. Its rewards add up to the score of the best guess: 1.0 for the secret at the
+first guess, 0.1 less per guess before it; a wrong guess 0.5 * (1 - distance / 15), so
+guessing closer pays before finding pays (each step's reward is its improvement on the
+best guess so far). Measured with only the finding reward (1.0 less 0.1 per extra guess,
+else 0): SmolLM2 often made one guess, then answered in words; the first 32 groups all
+scored 0 (zero variance) and the run stopped after 132 s with nothing to learn. A number outside 1..HIGHEST fails the action's validation (a tool error the
 model reads, not a step). Random distinct guesses find the secret 6 times in 16;
 following the feedback (halving) always does, within 4 guesses.
 
@@ -45,6 +49,7 @@ class GuessObservation(Observation):
 class GuessState(State):
     secret: int = 0
     guesses: list[int] = Field(default_factory=list)
+    best: float = 0.0  # the best score of a guess so far (what the rewards add up to)
 
 
 class GuessEnvironment(Environment[GuessAction, GuessObservation, GuessState]):
@@ -73,14 +78,21 @@ class GuessEnvironment(Environment[GuessAction, GuessObservation, GuessState]):
         state.guesses.append(action.number)
         left = MAX_GUESSES - len(state.guesses)
         if action.number == state.secret:
-            reward = 1.0 - 0.1 * (len(state.guesses) - 1)
-            return GuessObservation(message="correct", done=True, reward=round(reward, 2))
+            found = 1.0 - 0.1 * (len(state.guesses) - 1)
+            return self._observe("correct", found, done=True)
         hint = "higher" if state.secret > action.number else "lower"
+        # a wrong guess scores its closeness, 0.5 * (1 - distance / 15), and a step pays
+        # what it improves on the best guess so far: the rewards add up to the best one's
+        close = 0.5 * (1 - abs(action.number - state.secret) / (HIGHEST - 1))
         if left == 0:
-            return GuessObservation(
-                message=f"{hint}; no guesses left, it was {state.secret}", done=True, reward=0.0
-            )
-        return GuessObservation(message=f"{hint} ({left} left)", reward=0.0)
+            return self._observe(f"{hint}; no guesses left, it was {state.secret}", close, True)
+        return self._observe(f"{hint} ({left} left)", close, done=False)
+
+    def _observe(self, message: str, score: float, done: bool) -> GuessObservation:
+        """The observation paying the step's improvement on the best score so far."""
+        gain = max(score - self._state.best, 0.0)
+        self._state.best = max(self._state.best, score)
+        return GuessObservation(message=message, done=done, reward=round(gain, 4))
 
     @property
     def state(self) -> GuessState:
