@@ -23,6 +23,17 @@ class OpenEnvConfig(Section):
     on 127.0.0.1 at a free port for the run and stops it at the end."""
     message_timeout_s: float = Field(60.0, gt=0)
     """Deadline of one reset or step message; past it the episode is an infra_error."""
+    startup_timeout_s: float = Field(60.0, gt=0)
+    """With `app`: how long the server may take to answer `/health` before the run stops."""
+    prompt: str | list[dict[str, Any]] | None = None
+    """What every episode opens with, before its row's `prompt` and the first observation:
+    a user message's text, or chat messages (a system prompt, a worked example). The first
+    observation is appended to the last user message, or follows as a new one."""
+    seeds: int = Field(1000, ge=1)
+    """Without a `dataset:`, the training rows are `{"seed": 0}` ... `{"seed": seeds - 1}`:
+    each episode calls `reset(seed=...)`, and a group's episodes share their row's seed."""
+    eval_seeds: int = Field(32, ge=0)
+    """Held-out rows without a `dataset:`: the seeds after the training ones."""
 
     @model_validator(mode="after")
     def _one_server(self) -> OpenEnvConfig:
