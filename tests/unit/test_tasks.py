@@ -1,11 +1,13 @@
 """Built-in tasks: deterministic generators, rewards checked by hand, recipes that load."""
 
 import asyncio
+import importlib
 from pathlib import Path
 
 import pytest
 
 from asyncgrpo.config import load_config
+from asyncgrpo.environments import episode_source
 from asyncgrpo.rollout.data import load_prompts
 from asyncgrpo.rollout.rewards import RewardRunner
 from asyncgrpo.tasks import REWARDS, TASKS, get_reward, make_rows
@@ -110,13 +112,36 @@ RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipes_validate_and_their_data_and_rewards_resolve(recipe):
     cfg = load_config(recipe)
-    train, held = load_prompts(cfg.dataset, cfg.seed)
+    source = None
+    if not cfg.dataset:  # the environment brings its rows (a verifiers dataset)
+        source = episode_source(cfg)
+        train, held = source.train_rows, source.eval_rows
+        for close in source.closers:
+            close()
+    else:
+        train, held = load_prompts(cfg.dataset, cfg.seed)
     assert train and held, "every shipped recipe evaluates on held-out prompts"
     assert len(held) <= 32, "evaluation must stay quick on a CPU"
+    if not cfg.rewards and source is not None and source.scorer is not None:
+        return  # scored by the environment's own rubric
     runner = RewardRunner(cfg.rewards)
-    scores = asyncio.run(runner.score_group(train[0], ["a reply"] * 2, [[1], [2]]))
+    extra = None
+    if cfg.agent.environment:  # TRL reward functions also read the episodes' instances
+        envs = [load_rollout_class(cfg.agent.environment)() for _ in range(2)]
+        for env in envs:
+            env.reset(**{k: v for k, v in train[0].items() if k != "prompt"})
+        extra = {"environments": envs}
+    replies = [[{"role": "assistant", "content": "a reply"}]] * 2
+    scores = asyncio.run(
+        runner.score_group(train[0], ["a reply"] * 2, [[1], [2]], completions=replies, extra=extra)
+    )
     assert len(scores) == len(cfg.rewards) and all(len(s) == 2 for s in scores)
     runner.close()
+
+
+def load_rollout_class(path: str) -> type:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def test_the_default_and_demo_recipes_exist():
