@@ -36,6 +36,7 @@ def long_model_dir(tmp_path_factory):
     return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-1k"), max_position_embeddings=1024)
 
 
+@pytest.mark.heavy  # a whole training run (engine process, gateway, trainer): 10-20 s
 def test_training_on_an_openenv_server(tmp_path, long_model_dir, monkeypatch):
     tiny_model_dir = long_model_dir
     monkeypatch.setenv("OPENENV_DROP_AT", "1")  # the first episode's reset never answers

@@ -133,6 +133,7 @@ def tool_model_dir(tmp_path_factory):
     return model_dir
 
 
+@pytest.mark.heavy  # a whole training run (engine process, gateway, trainer): 10-20 s
 def test_environment_episodes_train_on_the_gateway_tokens(tmp_path, tool_model_dir, monkeypatch):
     recorder = Recorder(monkeypatch)
     ended = []  # (time, outcome) of every episode

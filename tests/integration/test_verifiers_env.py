@@ -29,6 +29,7 @@ pytest.importorskip("verifiers")
 REPO = Path(__file__).parents[2]
 
 
+@pytest.mark.heavy  # a whole training run (engine process, gateway, trainer): 10-20 s
 def test_a_verifiers_environment_trains_on_the_sampled_tokens(
     tmp_path, tiny_model_dir, monkeypatch
 ):
