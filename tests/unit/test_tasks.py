@@ -1,7 +1,6 @@
 """Built-in tasks: deterministic generators, rewards checked by hand, recipes that load."""
 
 import asyncio
-import importlib
 from pathlib import Path
 
 import pytest
@@ -9,6 +8,7 @@ import pytest
 from asyncgrpo.config import load_config
 from asyncgrpo.environments import episode_source
 from asyncgrpo.rollout.data import load_prompts
+from asyncgrpo.rollout.episodes import import_dotted
 from asyncgrpo.rollout.rewards import RewardRunner
 from asyncgrpo.tasks import REWARDS, TASKS, get_reward, make_rows
 from asyncgrpo.tasks.arithmetic import (
@@ -127,7 +127,7 @@ def test_recipes_validate_and_their_data_and_rewards_resolve(recipe):
     runner = RewardRunner(cfg.rewards)
     extra = None
     if cfg.agent.environment:  # TRL reward functions also read the episodes' instances
-        envs = [load_rollout_class(cfg.agent.environment)() for _ in range(2)]
+        envs = [import_dotted(cfg.agent.environment)() for _ in range(2)]
         for env in envs:
             env.reset(**{k: v for k, v in train[0].items() if k != "prompt"})
         extra = {"environments": envs}
@@ -137,11 +137,6 @@ def test_recipes_validate_and_their_data_and_rewards_resolve(recipe):
     )
     assert len(scores) == len(cfg.rewards) and all(len(s) == 2 for s in scores)
     runner.close()
-
-
-def load_rollout_class(path: str) -> type:
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def test_the_default_and_demo_recipes_exist():

@@ -14,26 +14,12 @@ run (buffer, trainer, staleness) does not know where the episodes came from.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from asyncgrpo.agents.rollout_api import RolloutFn
 from asyncgrpo.config import RunConfig
-from asyncgrpo.rollout.episodes import GroupScorer
+from asyncgrpo.environments.source import EpisodeSource
 
-
-@dataclass
-class EpisodeSource:
-    """Where a run's episodes come from (see the module docstring)."""
-
-    rollout: RolloutFn
-    scorer: GroupScorer | None = None
-    train_rows: list[dict] | None = None  # the environment's own dataset, if it has one
-    eval_rows: list[dict] | None = None
-    closers: list[Callable[[], None]] = field(default_factory=list)  # servers to stop, ...
-    scores_with_rewards: bool = False  # the scorer calls the run's reward functions (TRL);
-    # otherwise they grade each episode's final reply, as metrics only (as for agent.rollout)
+__all__ = ["EpisodeSource", "episode_source", "wants_source"]
 
 
 def wants_source(cfg: RunConfig, tools: Any = None, environment_factory: Any = None) -> bool:

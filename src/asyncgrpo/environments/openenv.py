@@ -51,7 +51,7 @@ from asyncgrpo.agents.rollout_api import LLM, EnvironmentFailure, Result, Reward
 from asyncgrpo.agents.trajectory import StopReason
 from asyncgrpo.config import ConfigError, RunConfig
 from asyncgrpo.config.environments import OpenEnvConfig
-from asyncgrpo.environments import EpisodeSource
+from asyncgrpo.environments.source import EpisodeSource
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from asyncgrpo.agents.runner import EpisodeOutcome, training_row
 from asyncgrpo.agents.tools import ToolBox
 from asyncgrpo.agents.trajectory import StopReason
 from asyncgrpo.config import ConfigError
-from asyncgrpo.environments import EpisodeSource
+from asyncgrpo.environments.source import EpisodeSource
 from asyncgrpo.environments.trl_classes import (
     EnvironmentKind,
     check_tools,

@@ -15,10 +15,7 @@ a class without `reset`, a tool whose hints cannot be written as a schema.
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +23,7 @@ from typing import Any
 
 from asyncgrpo.agents.tools import tool_schema
 from asyncgrpo.config import ConfigError
+from asyncgrpo.rollout.episodes import import_dotted
 
 NOT_TOOLS = ("reset", "get_reward")
 
@@ -150,20 +148,9 @@ def check_tools(tools: Any) -> list[Callable]:
 
 
 def load_class(path: str) -> Any:
-    """The factory at `package.module:Class` (`agent.environment`), the module found as
-    `python -m` finds it: installed packages first, then the working directory."""
-    module_name, _, attr = path.partition(":")
+    """The factory at `package.module:Class` (`agent.environment`), found as
+    `rollout.episodes.import_dotted` finds it."""
     try:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError:
-            if os.getcwd() in sys.path:
-                raise
-            sys.path.append(os.getcwd())
-            module = importlib.import_module(module_name)
-        target: Any = module
-        for part in attr.split("."):
-            target = getattr(target, part)
+        return import_dotted(path)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"agent.environment: cannot load {path!r}: {exc}") from exc
-    return target

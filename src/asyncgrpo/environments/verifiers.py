@@ -47,7 +47,7 @@ import threading
 from typing import Any
 
 from asyncgrpo.config import ConfigError
-from asyncgrpo.environments import EpisodeSource
+from asyncgrpo.environments.source import EpisodeSource
 
 logger = logging.getLogger(__name__)
 

@@ -73,6 +73,7 @@ __all__ = [
     "EpisodeSettings",
     "GroupDropped",
     "GroupScorer",
+    "import_dotted",
     "load_rollout",
 ]
 
@@ -115,20 +116,29 @@ class GroupScorer(Protocol):
 SCORED_STOPS = (StopReason.OK, StopReason.MAX_TURNS, StopReason.LENGTH)
 
 
-def load_rollout(path: str) -> Callable[..., Awaitable[Any]]:
-    """The function at `package.module:function`, the module found like `python -m` finds it:
-    installed packages first, then the working directory (so `examples.calculator_agent:rollout`
-    works from the repository root)."""
+def import_dotted(path: str) -> Any:
+    """The object at `package.module:name` (`name` may be dotted), the module found like
+    `python -m` finds it: installed packages first, then the working directory (so
+    `examples.calculator_agent:rollout` works from the repository root). Raises
+    ImportError or AttributeError."""
     module_name, _, attr = path.partition(":")
     try:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError:
-            if os.getcwd() in sys.path:
-                raise
-            sys.path.append(os.getcwd())
-            module = importlib.import_module(module_name)
-        fn = getattr(module, attr)
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError:
+        if os.getcwd() in sys.path:
+            raise
+        sys.path.append(os.getcwd())
+        module = importlib.import_module(module_name)
+    target: Any = module
+    for part in attr.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def load_rollout(path: str) -> Callable[..., Awaitable[Any]]:
+    """The `async def rollout(task, llm)` at `package.module:function` (`import_dotted`)."""
+    try:
+        fn = import_dotted(path)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"agent.rollout: cannot load {path!r}: {exc}") from exc
     if not asyncio.iscoroutinefunction(fn):
