@@ -125,9 +125,9 @@ def build_run(
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
     from_env = wants_source(cfg, tools, environment_factory)
     agent = rollout_func is not None or cfg.agent.source is not None or from_env
-    rewards, source, train_rows, eval_rows = _inputs(
-        cfg, funcs, agent, (train_dataset, eval_dataset), (tools, environment_factory)
-    )
+    env = (tools, environment_factory) if from_env else None
+    datasets = (train_dataset, eval_dataset)
+    rewards, source, train_rows, eval_rows = _inputs(cfg, funcs, agent, datasets, env)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
     engine = trainer = cluster = None
@@ -168,17 +168,17 @@ def build_run(
     return run
 
 
-def _inputs(cfg: RunConfig, funcs: list, agent: bool, datasets: tuple, env: tuple) -> tuple:
+def _inputs(cfg: RunConfig, funcs: list, agent: bool, datasets: tuple, env: tuple | None) -> tuple:
     """(reward runner, episode source, train rows, held-out rows), every input checked before
-    the engine starts; `env` is (tools, environment_factory)."""
+    the engine starts; `env` is (tools, environment_factory) when an environment gives the
+    episodes, else None."""
     rewards = source = None
     try:
         with _user_errors():
-            from_env = wants_source(cfg, *env)
-            _check(cfg, funcs, agent, from_env)
+            _check(cfg, funcs, agent, env is not None)
             _cwd_importable()
             rewards = _rewards(cfg, funcs)
-            if from_env:
+            if env is not None:
                 source = _source(cfg, rewards, *env)
             return rewards, source, *_prompt_rows(cfg, *datasets, agent, source)
     except BaseException:
