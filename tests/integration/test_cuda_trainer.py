@@ -101,6 +101,57 @@ def test_a_step_on_the_gpu_equals_a_step_on_the_cpu(tmp_path, attention, section
     assert_same_training(weights(cpu), weights(gpu), initial, cpu_metrics, gpu_metrics)
 
 
+def test_varlen_kernel_on_the_gpu_equals_the_block_mask_attention():
+    """The flash varlen call (`trainer/varlen.py`) over a packed row with shared prompts and
+    grouped KV heads, in bf16, against fp32 attention with the dense block mask on the
+    same bf16 values: outputs and gradients within bf16 rounding."""
+    from asyncgrpo.trainer.packing import pack_sequences
+    from asyncgrpo.trainer.varlen import varlen_attention, varlen_available, varlen_layout
+
+    assert varlen_available()
+    p1, p2 = list(range(1, 8)), [40, 41, 42]
+    seqs = [p1 + [9] * 5, list(range(20, 29)), p1 + [8], p2 + [7] * 4, p1 + [6] * 8, p2 + [5, 5]]
+    packed = pack_sequences(seqs, [7, 4, 7, 3, 7, 3])
+    n, device = packed.input_ids.shape[1], torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, 4, n, 64), (1, 2, n, 64), (1, 2, n, 64)]  # query, key, value: GQA 2:1
+    halves = [torch.randn(s, generator=g).to(device, torch.bfloat16) for s in shapes]
+    halves = [t.requires_grad_() for t in halves]
+    fulls = [t.detach().float().requires_grad_() for t in halves]
+    mask = packed.block_mask().to(device)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *fulls, attn_mask=mask, scale=0.1, enable_gqa=True
+    ).transpose(1, 2)
+    got = varlen_attention(*halves, varlen_layout(packed.segments, device), 0.1)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    weights = torch.randn(want.shape, generator=g).to(device)
+    want_grads = torch.autograd.grad((want * weights).sum(), fulls)
+    got_grads = torch.autograd.grad((got.float() * weights).sum(), halves)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=2e-2)
+
+
+def test_bf16_trainer_with_varlen_attention_has_the_mask_gradients(tmp_path):
+    """Under bf16 autocast, `trainer.attention: varlen` gives the first gradients of the
+    dense-mask path to bf16 precision."""
+    model_dir = save_tiny_model_dir(tmp_path / "model")
+    trainers = {}
+    for attention in ("varlen", "mask"):
+        cfg = config(tmp_path, model_dir, "dapo", 1)
+        cfg.trainer.device, cfg.trainer.attention, cfg.trainer.bf16_autocast = (
+            "cuda",
+            attention,
+            True,
+        )
+        trainers[attention] = policy_trainer(cfg, load_policy(cfg, str(model_dir)))
+    data = batches()[0]
+    varlen_grads = first_gradients(trainers["varlen"], data)
+    mask_grads = first_gradients(trainers["mask"], data)
+    for name, want in mask_grads.items():
+        error = float((varlen_grads[name] - want).norm() / want.norm())
+        assert error < 3e-2, f"{name}: relative gradient error {error:.2e}"
+
+
 def test_fsdp2_over_nccl_on_one_gpu_equals_the_unsharded_trainer(tmp_path):
     """The sharded path end to end on a GPU (device mesh, NCCL all-gathers and
     reduce-scatters, full-tensor gathers for publishing and checkpoints), one rank."""

@@ -95,11 +95,15 @@ class TrainerConfig(Section):
     there is one (rank r takes GPU `LOCAL_RANK` mod the GPUs it sees), else the CPU.
     The engine is placed by its own section: an embedded engine runs on the CPU, vLLM on
     the GPUs `engine.vllm_env` gives it."""
-    attention: Literal["auto", "segments", "mask"] = "auto"
+    attention: Literal["auto", "segments", "varlen", "mask"] = "auto"
     """How a packed micro-batch attends (`trainer/packing.py`). `segments`: one attention
     call per sequence segment (work Σ Lᵢ²; the CPU's fastest). `mask`: one call over the
-    whole packed row with a block mask (work N², one kernel per layer). `auto`: segments
-    on a CPU, mask on a GPU, where per-call launch costs dominate."""
+    whole packed row with a block mask (work N², one kernel per layer). `varlen`: one
+    variable-length flash-attention call per layer over all segments (work Σ Lᵢ²; a GPU
+    with fp16/bf16 activations, else it runs as `segments`; `trainer/varlen.py`): exact,
+    but measured 2.8x slower than `mask` on an H100 with torch 2.11, so not yet auto's
+    choice. `auto`: segments on a CPU, mask on a GPU, where per-call launch costs
+    dominate."""
     bf16_autocast: bool | Literal["auto"] = "auto"
     """Run the trainer's forward under bf16 autocast. `auto`: on a GPU where it has bf16
     (Ampere and later), on a CPU where it multiplies bf16 natively (AVX512-BF16 or AMX:

@@ -44,6 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from asyncgrpo.trainer.logprobs import DEFAULT_CHUNK_ROWS, lm_head_token_logprobs
+from asyncgrpo.trainer.varlen import (
+    HALF_DTYPES,
+    VarlenLayout,
+    varlen_attention,
+    varlen_available,
+    varlen_layout,
+)
 
 ATTN_IMPLEMENTATION = "asyncgrpo_packed"
 
@@ -206,9 +213,12 @@ def packed_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     packed_segments: tuple[Segment, ...] | None = None,
+    packed_varlen: VarlenLayout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """sdpa once per packed segment; plain transformers sdpa when not packing."""
+    """One varlen flash call over the packed row (`varlen.py`) where its layout is given
+    and the activations are half precision, else sdpa once per packed segment; plain
+    transformers sdpa when not packing."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed_segments is None:
@@ -226,6 +236,8 @@ def packed_attention_forward(
     if query.shape[0] != 1:
         raise ValueError("a packed forward takes a single row")
     with _sdpa_kernels(query.device):
+        if packed_varlen is not None and query.dtype in HALF_DTYPES and dropout == 0.0:
+            return varlen_attention(query, key, value, packed_varlen, scaling).contiguous(), None
         out = _attend_segments(query, key, value, packed_segments, dropout, scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -297,29 +309,31 @@ def packed_token_logprobs(
     default: `run_packed` on `model`. `targets`: tokens to score in place of a sequence's
     own next tokens (`packed_targets`); None scores the sequence itself.
 
-    `attention="segments"` needs `enable_packed_attention(model)`; `"mask"` passes
-    the dense block mask and works with any 4D-mask implementation (sdpa, eager).
+    `attention="segments"` (and `"varlen"`, which is `"segments"` where the varlen kernel
+    cannot run: no GPU, or fp32 activations) needs `enable_packed_attention(model)`;
+    `"mask"` passes the dense block mask and works with any 4D-mask implementation.
     `top_p < 1`: under the sampler's nucleus, see `trainer/logprobs.py`.
     """
     device = next(model.parameters()).device
-    packed = pack_sequences(
-        seqs, prompt_lengths, share_prefix, device, attention == "segments", targets
-    )
+    per_segment = attention in ("segments", "varlen")
+    packed = pack_sequences(seqs, prompt_lengths, share_prefix, device, per_segment, targets)
     if packed.rows.numel() == 0:  # no completion tokens: nothing to forward
         empty = [torch.zeros(0, device=device) for _ in seqs]
         return PackedLogProbs(logprobs=empty, entropy=list(empty) if with_entropy else None)
     forward = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
-    if attention == "segments":
+    if per_segment:
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise RuntimeError("call enable_packed_attention(model) before a packed forward")
         # An all-ones 2D mask makes transformers skip mask building (sdpa is_causal path).
         forward.update(
             attention_mask=torch.ones_like(packed.input_ids), packed_segments=packed.segments
         )
+        if attention == "varlen" and device.type == "cuda" and varlen_available():
+            forward.update(packed_varlen=varlen_layout(packed.segments, device))
     elif attention == "mask":
         forward.update(attention_mask=packed.block_mask())
     else:
-        raise ValueError(f"attention must be 'segments' or 'mask', not {attention!r}")
+        raise ValueError(f"attention must be 'segments', 'varlen' or 'mask', not {attention!r}")
     run = runner if runner is not None else functools.partial(run_packed, model)
     logprobs, entropy = run(
         forward, packed.rows, packed.targets, temperature, with_entropy, chunk_rows, top_p

@@ -1,0 +1,107 @@
+"""The varlen layout (`trainer/varlen.py`): gathering each shared prompt in front of its
+completions and scattering the outputs back gives the packed row's block-mask attention.
+
+The flash kernel needs a GPU (`tests/integration/test_cuda_trainer.py` runs it); here a
+plain per-sequence causal sdpa stands in for it, under both of the signatures torch
+releases give `varlen_attn`, so the layout, the scale and the grouped KV heads are
+checked against the dense block mask on any machine.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncgrpo.trainer import varlen
+from asyncgrpo.trainer.packing import pack_sequences
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def causal_per_sequence(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, gqa=False):
+    """What the kernel computes: causal attention within each [cu[i], cu[i+1])."""
+    assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    assert max_q == max(int(b - a) for a, b in zip(cu_q, cu_q[1:]))
+    outs = []
+    for a, b in zip(cu_q.tolist(), cu_q[1:].tolist()):
+        # (L, H, D) -> (1, H, L, D)
+        qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def new_signature(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
+    assert window_size == (-1, 0)
+    return causal_per_sequence(q, k, v, cu_q, cu_k, max_q, max_k, scale, enable_gqa)
+
+
+def old_signature(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
+    assert is_causal and q.shape[1] == k.shape[1], "the old kernel takes equal head counts"
+    return causal_per_sequence(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+@pytest.fixture(params=[new_signature, old_signature], ids=["window_size", "is_causal"])
+def kernel(request, monkeypatch):
+    module = types.ModuleType("torch.nn.attention.varlen")
+    module.varlen_attn = request.param
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", module)
+    varlen._parameters.cache_clear()
+    yield request.param
+    varlen._parameters.cache_clear()
+
+
+def shared_prompt_batch():
+    """Two groups behind shared prompts, a loner, and a group of one."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(n):
+        return torch.randint(0, 50, (n,), generator=g).tolist()
+
+    p1, p2 = rand(7), rand(3)
+    seqs = [p1 + rand(5), rand(9), p1 + rand(1), p2 + rand(4), p1 + rand(8), p2 + rand(2), rand(6)]
+    return pack_sequences(seqs, [7, 4, 7, 3, 7, 3, 2])
+
+
+@pytest.mark.parametrize("scaling", [None, 0.2])
+def test_varlen_layout_equals_the_block_mask_attention(kernel, scaling):
+    packed = shared_prompt_batch()
+    assert any(seg.prefix is not None for seg in packed.segments), "no shared prompt to test"
+    n = packed.input_ids.shape[1]
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(1, HEADS, n, DIM, generator=g, requires_grad=True)
+    key = torch.randn(1, KV_HEADS, n, DIM, generator=g, requires_grad=True)
+    value = torch.randn(1, KV_HEADS, n, DIM, generator=g, requires_grad=True)
+    want = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=packed.block_mask(), scale=scaling, enable_gqa=True
+    ).transpose(1, 2)  # (1, N, H, D)
+    layout = varlen.varlen_layout(packed.segments, torch.device("cpu"))
+    got = varlen.varlen_attention(query, key, value, layout, scaling)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    weights = torch.randn(want.shape, generator=g)
+    want_grads = torch.autograd.grad((want * weights).sum(), (query, key, value))
+    got_grads = torch.autograd.grad((got * weights).sum(), (query, key, value))
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_layout_puts_each_prompt_in_front_of_its_completions():
+    packed = pack_sequences([[1, 2, 3, 4, 9], [1, 2, 3, 5, 6], [7, 8, 9]], [3, 3, 1])
+    # the packed row (a sequence's last token is no input): 1 2 3 | 4 | 5 | 7 8
+    assert packed.input_ids.tolist() == [[1, 2, 3, 4, 5, 7, 8]]
+    layout = varlen.varlen_layout(packed.segments, torch.device("cpu"))
+    # varlen sequences: the prompt; prompt + 4; prompt + 5; 7 8
+    assert layout.gather.tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 4, 5, 6]
+    assert layout.cu_seqlens.tolist() == [0, 3, 7, 11, 13]
+    assert layout.max_len == 4
+    # each packed row's output: the prompt's from its own sequence, a completion's from
+    # the tail of its sequence
+    assert layout.scatter.tolist() == [0, 1, 2, 6, 10, 11, 12]
