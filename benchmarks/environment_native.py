@@ -127,9 +127,17 @@ def _guess(env: Any, call: Any) -> tuple[Any, str | None]:
     if call.function.name != "guess":
         return None, f"Error: unknown tool {call.function.name!r}; the tool is 'guess'."
     try:
-        action = GuessAction(**json.loads(call.function.arguments or "{}"))
-    except (ValueError, TypeError, ValidationError) as exc:
-        return None, f"Error: invalid action: {exc}"
+        arguments = json.loads(call.function.arguments or "{}")
+    except ValueError as exc:
+        return None, f"Error: the arguments are not valid JSON ({exc})."
+    if not isinstance(arguments, dict):
+        return None, "Error: the arguments must be a JSON object."
+    try:
+        action = GuessAction(**arguments)
+    except ValidationError as exc:  # one line, as short as the adapter's
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "arguments"
+        return None, f"Error: invalid action: {where}: {first['msg']}."
     return env.step(action), None
 
 

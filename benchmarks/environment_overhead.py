@@ -35,7 +35,7 @@ the examples' own model, which calls the tools (slower: minutes per run on CPU).
 
     .venv/bin/python benchmarks/environment_overhead.py --out benchmarks/results/environment_overhead.json
 
-(from the repository root; 18 runs of 6 steps, ~4 minutes on 2 cores with the tiny model.)
+(from the repository root; 18 runs of 6 steps: 3 to 6 minutes on 2 shared cores with the tiny model.)
 """
 
 from __future__ import annotations
