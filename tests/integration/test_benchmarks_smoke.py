@@ -266,3 +266,38 @@ def test_ray_launcher_every_launcher(tmp_path, tiny_recipe):
     assert list(median) == ["local", "ray (new)", "ray (same node)", "ray (other node)"]
     assert median["ray (other node)"]["transport"] == "http"
     assert all(m["samples_per_s"] > 0 for m in median.values())
+
+
+@pytest.mark.heavy  # six short training runs, an OpenEnv server among them: ~70 s
+def test_environment_overhead(tmp_path):
+    """Each adapter and its native rollout train 2 steps; both ways do the same episodes."""
+    pytest.importorskip("openenv")
+    pytest.importorskip("verifiers")
+    out = tmp_path / "environment_overhead.json"
+    run_benchmark_here(
+        "environment_overhead.py",
+        *("--steps", "2", "--repeats", "1", "--group", "2", "--groups", "1"),
+        *("--max-tokens", "4", "--out", str(out)),
+        timeout=600,
+    )
+    result = read_json(out)
+    shapes = ("trl", "openenv", "verifiers")
+    assert [(r["shape"], r["way"]) for r in result["runs"]] == [
+        (shape, way) for shape in shapes for way in ("adapter", "native")
+    ]
+    for run in result["runs"]:
+        assert run["steps"] == 2 and run["steps_per_s"] > 0
+        assert set(run["stop_reasons"]) <= {"ok", "length"}, run
+    # the random model writes no tool call: one reply per episode, verifiers' two turns
+    turns = {"trl": 1.0, "openenv": 1.0, "verifiers": 2.0}
+    for shape, ways in result["summary"].items():
+        for way in ("adapter", "native"):
+            assert ways[way]["turns_per_episode"] == turns[shape], (shape, way)
+        assert ways["adapter"]["completion_len_mean"] == ways["native"]["completion_len_mean"]
+        # the same prompts (tool description, worked example, observations) both ways
+        assert ways["adapter"]["episode_tokens"] == pytest.approx(
+            ways["native"]["episode_tokens"], rel=0.05
+        )
+        (adapter,) = [r for r in result["runs"] if (r["shape"], r["way"]) == (shape, "adapter")]
+        assert ways["adapter"]["steps_per_s"] == adapter["steps_per_s"]  # one repeat
+        assert ways["overhead"] > -1

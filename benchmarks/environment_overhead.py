@@ -1,0 +1,300 @@
+"""What each environment adapter costs per training step, against a native rollout doing
+the same work.
+
+For each shape of issue 29 (TRL's `environment_factory`, an OpenEnv server, a verifiers
+environment) this trains its example recipe (`recipes/trl_environment.yaml`,
+`openenv_guess.yaml`, `verifiers_word_budget.yaml`) for a few steps two ways, alternating
+run by run (A B, B A, ...):
+
+- `adapter`: the recipe as written, its environment through asyncgrpo's adapter;
+- `native`: the same recipe with `agent.rollout` set to the function of
+  `benchmarks/environment_native.py` that plays the same episodes in process (same
+  environment logic, prompts, tool schema, sampling and turn limit; see its docstring
+  for the two places it cannot be identical).
+
+Both ways read the same rows (`dataset:` with no held-out part, so no evaluation runs)
+on the same model, engine and trainer settings; zero-variance groups are kept (a random
+model's groups often score all 0), so every step trains the same number of groups. A
+run's rate is taken from its metrics between the first and the last optimizer step
+(start-up, the OpenEnv server's included, and the first step are left out): steps/s and
+episodes/s. Overhead = native steps/s / adapter steps/s - 1 (the extra wall time per
+step the adapter costs), medians over the repeats. Steps overlap generation with
+training (the recipes' staleness 1), so an adapter slows steps only where generation
+is the bottleneck: the table shows the trainer's idle share (waiting for a batch), and
+each episode's own wall time (`episode s`, median; gateway open to close, the engine's
+queue included), which the adapter lengthens whatever the bottleneck. It also shows
+turns per episode, the tokens of an episode's recorded sequences (prompt and
+completion) and the sampled tokens per trained sequence, which must agree between the
+two ways for the comparison to mean anything.
+
+The default model (`tiny`) is a random 2-layer model with SmolLM2's tokenizer and chat
+template: the prompts have their real length, but it never writes a tool call, so its
+episodes end at the first reply (TRL, OpenEnv) or take the environment's two turns
+(verifiers), and per-tool-call costs are not exercised. `--model smollm2-135m` trains
+the examples' own model, which calls the tools (slower: minutes per run on CPU).
+
+    .venv/bin/python benchmarks/environment_overhead.py --out benchmarks/results/environment_overhead.json
+
+(from the repository root; 18 runs of 6 steps: 3 to 6 minutes on 2 shared cores with the tiny model.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, Path(__file__).resolve().parent):  # `examples.*`, `environment_native`
+    if str(path) not in sys.path:
+        sys.path.append(str(path))
+
+import environment_native  # noqa: E402
+
+from asyncgrpo.config import build_config  # noqa: E402
+from asyncgrpo.rollout import episodes as episodes_mod  # noqa: E402
+from asyncgrpo.run import train  # noqa: E402
+
+SHAPES = {
+    "trl": ("recipes/trl_environment.yaml", "environment_native:trl_rollout"),
+    "openenv": ("recipes/openenv_guess.yaml", "environment_native:openenv_rollout"),
+    "verifiers": ("recipes/verifiers_word_budget.yaml", "environment_native:verifiers_rollout"),
+}
+WAYS = ("adapter", "native")
+SOURCES = ("environment", "openenv", "verifiers")  # the agent keys of the adapters
+EPISODE_METRICS = ("turns_per_episode", "tool_calls_per_episode")  # means per episode
+STEP_METRICS = ("completion_len_mean", "trainer_idle_ratio")  # means per step
+MEDIANS = (
+    *("steps_per_s", "episodes_per_s", "episode_s", "episode_tokens"),
+    *EPISODE_METRICS,
+    *STEP_METRICS,
+)
+
+
+def shape_rows(shape: str, recipe: dict, work: Path) -> str:
+    """The rows file both ways read: the recipe's own, or (verifiers, whose rows come from
+    the environment) the environment's dataset written out."""
+    if shape != "verifiers":
+        return str(ROOT / recipe["dataset"]["path"])
+    from asyncgrpo.environments.verifiers import classic_api, load_environment, rows_of
+
+    section = recipe["agent"]["verifiers"]
+    env = load_environment(classic_api(), section["id"], dict(section.get("args") or {}))
+    path = work / "verifiers_rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows_of(env.get_dataset())))
+    return str(path)
+
+
+def run_config(shape: str, way: str, recipe: dict, rows: str, run_dir: Path, args) -> dict:
+    """The recipe shrunk to the benchmark's size; for `native`, the adapter swapped for the
+    native rollout (and TRL's reward functions dropped: the rollout computes the reward)."""
+    cfg = copy.deepcopy(recipe)
+    cfg.update(
+        name=f"{shape}-{way}",
+        output_dir=str(run_dir),
+        max_steps=args.steps,
+        max_time_s=args.max_time_s,
+        eval_steps=10**6,
+        checkpoint_steps=10**6,
+        dataset={"path": rows, "eval_size": 0},
+    )
+    cfg["model"]["name_or_path"] = args.model_dir
+    cfg["engine"]["num_threads"] = args.engine_threads
+    cfg["trainer"]["num_threads"] = args.trainer_threads
+    cfg["rollout"].update(num_generations=args.group, filter_zero_variance=False)
+    if args.max_tokens is not None:
+        cfg["rollout"]["max_tokens"] = args.max_tokens
+    cfg["coordinator"]["batch_groups"] = args.groups
+    if way == "native":
+        cfg["agent"] = {k: v for k, v in cfg["agent"].items() if k not in SOURCES}
+        cfg["agent"]["rollout"] = SHAPES[shape][1]
+        if shape == "trl":
+            cfg.pop("rewards", None)
+    return cfg
+
+
+@contextlib.contextmanager
+def watched_episodes(into: list[tuple[float, int]]):
+    """Collect each finished episode's wall time (gateway open to close) and the tokens of
+    its recorded sequences (prompt and completion: what the engine and the trainer see),
+    as the integration tests watch episodes: by wrapping the group builder's `run_episode`."""
+    run_episode = episodes_mod.run_episode
+
+    async def timed(*args, **kwargs):
+        outcome = await run_episode(*args, **kwargs)
+        if outcome.stop_reason.value in ("ok", "length", "max_turns"):
+            tokens = sum(len(sample.input_ids) for sample in outcome.samples)
+            into.append((outcome.info["seconds"], tokens))
+        return outcome
+
+    episodes_mod.run_episode = timed
+    try:
+        yield
+    finally:
+        episodes_mod.run_episode = run_episode
+
+
+def timed_run(shape: str, way: str, cfg_data: dict, openenv_prompt) -> dict:
+    """Train once; the rates between the first and the last optimizer step."""
+    cfg = build_config(cfg_data)
+    environment_native.configure(cfg, openenv_prompt)
+    episodes: list[tuple[float, int]] = []
+    start = time.monotonic()
+    with watched_episodes(episodes):
+        run_dir = train(cfg)
+    wall = time.monotonic() - start
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    steps = sorted((x for x in lines if x.get("kind") == "train"), key=lambda x: x["step"])
+    if len(steps) < 2:
+        raise SystemExit(f"{shape} {way}: {len(steps)} optimizer step(s) logged; need 2 or more")
+    span = steps[-1]["time_s"] - steps[0]["time_s"]
+    later = steps[1:]  # the steps inside the span
+    row = {
+        "shape": shape,
+        "way": way,
+        "steps": len(steps),
+        "first_step_s": steps[0]["time_s"],
+        "span_s": span,
+        "wall_s": wall,
+        "steps_per_s": len(later) / span,
+        "episodes_per_s": sum(x.get("episodes", 0) for x in later) / span,
+        "stop_reasons": _summed(x.get("stop_reasons", {}) for x in steps),
+        "episode_s": statistics.median(e[0] for e in episodes) if episodes else None,
+        "episode_tokens": statistics.fmean(e[1] for e in episodes) if episodes else None,
+    }
+    for key in EPISODE_METRICS + STEP_METRICS:  # over the whole run
+        per_episode = key in EPISODE_METRICS
+        weighted = [(x[key], x.get("episodes", 0) if per_episode else 1) for x in steps if key in x]
+        total = sum(n for _, n in weighted)
+        row[key] = sum(v * n for v, n in weighted) / total if total else None
+    print(
+        f"  {shape:<10}{way:<8}{row['steps_per_s']:>8.3f} steps/s {row['episodes_per_s']:>8.2f}"
+        f" episodes/s  (first step at {row['first_step_s']:.1f} s, wall {wall:.1f} s)",
+        flush=True,
+    )
+    return row
+
+
+def _summed(counters) -> dict:
+    out: dict = {}
+    for counter in counters:
+        for key, n in counter.items():
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def tiny_model(work: Path) -> str:
+    from asyncgrpo.testing import save_tiny_vllm_model_dir
+
+    return str(save_tiny_vllm_model_dir(work / "tiny-model"))
+
+
+def measure(args, work: Path) -> list[dict]:
+    runs = []
+    for shape in args.shapes:
+        recipe = yaml.safe_load((ROOT / SHAPES[shape][0]).read_text())
+        rows = shape_rows(shape, recipe, work)
+        openenv_prompt = (recipe["agent"].get("openenv") or {}).get("prompt")
+        for repeat in range(args.repeats):
+            for way in WAYS if repeat % 2 == 0 else WAYS[::-1]:
+                run_dir = work / "runs" / f"{shape}-{way}-{repeat}"
+                cfg = run_config(shape, way, recipe, rows, run_dir, args)
+                runs.append(timed_run(shape, way, cfg, openenv_prompt) | {"repeat": repeat})
+    return runs
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per shape: each way's medians, and the adapter's overhead."""
+    summary = {}
+    for shape in dict.fromkeys(r["shape"] for r in runs):
+        ways = {}
+        for way in WAYS:
+            mine = [r for r in runs if r["shape"] == shape and r["way"] == way]
+            ways[way] = {
+                key: statistics.median(r[key] for r in mine)
+                for key in MEDIANS
+                if all(r[key] is not None for r in mine)
+            }
+        adapter, native = ways["adapter"], ways["native"]
+        ways["overhead"] = native["steps_per_s"] / adapter["steps_per_s"] - 1
+        ways["adapter_over_native_steps_per_s"] = adapter["steps_per_s"] / native["steps_per_s"]
+        if "episode_s" in adapter and "episode_s" in native:
+            ways["adapter_over_native_episode_s"] = adapter["episode_s"] / native["episode_s"]
+        summary[shape] = ways
+    return summary
+
+
+COLUMNS = (  # (heading, key, format)
+    ("steps/s", "steps_per_s", "{:.3f}"),
+    ("episodes/s", "episodes_per_s", "{:.2f}"),
+    ("episode s", "episode_s", "{:.3f}"),
+    ("turns", "turns_per_episode", "{:.2f}"),
+    ("calls", "tool_calls_per_episode", "{:.2f}"),
+    ("seq tokens", "episode_tokens", "{:.1f}"),
+    ("sampled", "completion_len_mean", "{:.1f}"),
+    ("trainer idle", "trainer_idle_ratio", "{:.0%}"),
+)
+
+
+def report(summary: dict) -> None:
+    """One line per shape and way; the adapter's line ends with its ratios to native."""
+    print(f"{'shape':<10}{'way':<8}" + "".join(f"{h:>13}" for h, _, _ in COLUMNS), end="")
+    print(f"{'steps/s a/n':>13}{'episode s a/n':>15}")
+    for shape, ways in summary.items():
+        for way in WAYS:
+            m = ways[way]
+            cells = "".join(f"{fmt.format(m[k]) if k in m else '-':>13}" for _, k, fmt in COLUMNS)
+            ratios = ""
+            if way == "adapter":
+                ratios = f"{ways['adapter_over_native_steps_per_s']:>13.3f}"
+                ratios += f"{ways.get('adapter_over_native_episode_s', float('nan')):>15.3f}"
+            print(f"{shape:<10}{way:<8}{cells}{ratios}")
+    print("overhead (native steps/s / adapter steps/s - 1): ", end="")
+    print(", ".join(f"{shape} {ways['overhead']:+.1%}" for shape, ways in summary.items()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="trl,openenv,verifiers")
+    parser.add_argument("--model", default="tiny", help="`tiny` (random), a name or a directory")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per way and shape")
+    parser.add_argument("--group", type=int, default=4, help="rollout.num_generations")
+    parser.add_argument("--groups", type=int, default=2, help="coordinator.batch_groups")
+    parser.add_argument("--max-tokens", type=int, default=None, help="default: the recipe's")
+    parser.add_argument("--engine-threads", type=int, default=1)
+    parser.add_argument("--trainer-threads", type=int, default=1)
+    parser.add_argument("--max-time-s", type=float, default=1200.0, help="per run")
+    parser.add_argument("--work", type=Path, help="keep the runs here (default: a temporary dir)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/environment_overhead.json")
+    )
+    args = parser.parse_args(argv)
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; choose from {', '.join(SHAPES)}")
+    with tempfile.TemporaryDirectory(prefix="environment-overhead-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        args.model_dir = tiny_model(work) if args.model == "tiny" else args.model
+        runs = measure(args, work)
+    summary = summarise(runs)
+    report(summary)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if k != "model_dir"}
+    settings |= {"out": str(args.out), "work": args.work and str(args.work)}
+    args.out.write_text(json.dumps(dict(settings=settings, runs=runs, summary=summary), indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
