@@ -107,3 +107,19 @@ def test_runner_rows_are_independent_of_padding_and_batch(engine):
     runner.prefill([0, 1], [short, long_], [0, 0])
     both = runner.decode(torch.tensor([7, 9]), torch.tensor([len(short), len(long_)]))
     assert torch.equal(both[0], decoded_alone)
+
+
+def test_a_linear_row_is_the_same_alone_as_in_a_batch():
+    """oneDNN and BLAS switch to a matrix-vector kernel for one or two rows, which rounds
+    otherwise (seen at SmolLM2-135M's down projection, 1536 -> 576)."""
+    from asyncgrpo.engine.runner import _Linear, onednn_linear_available
+
+    torch.manual_seed(0)
+    weight = torch.randn(576, 1536) / 1536**0.5
+    x = torch.randn(8, 1536)
+    for use_onednn in sorted({False, onednn_linear_available(torch.float32)}):
+        linear = _Linear(weight, None, use_onednn)
+        batch = linear(x)
+        for rows in (1, 2, 3):
+            assert torch.equal(linear(x[:rows]), batch[:rows]), (use_onednn, rows)
+        assert torch.equal(linear(x[None, None, 0])[0, 0], batch[0])  # any leading shape

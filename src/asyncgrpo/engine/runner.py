@@ -66,6 +66,9 @@ def _fuse_rows(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 PACK_BATCH_HINT = 32  # the batch size oneDNN tunes the packed layout for (any size works)
+# oneDNN and BLAS take a matrix-vector kernel for one or two rows, which rounds otherwise
+# (~1e-6 on SmolLM2-135M's MLP): fewer rows are padded to this many (4 and up agree)
+MIN_LINEAR_ROWS = 4
 
 
 class _Linear:
@@ -86,6 +89,15 @@ class _Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows >= MIN_LINEAR_ROWS:
+            return self._apply(x)
+        # a row's result must not depend on how many rows share the call (attention.py)
+        padded = x.new_zeros(MIN_LINEAR_ROWS, x.shape[-1])
+        padded[:rows] = x.reshape(rows, -1)
+        return self._apply(padded)[:rows].view(*x.shape[:-1], -1)
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
