@@ -71,6 +71,16 @@ def test_filtered_and_failed_groups_release_quota():
     )
 
 
+def test_a_batch_comes_in_admission_order_whatever_order_its_groups_finished():
+    # a synchronous run with a fixed seed repeats only if the trainer sees its groups in
+    # an order that does not depend on which generation finished first
+    buf = RolloutBuffer(batch_groups=3, max_staleness=0)
+    assert all(buf.wait_admit(0) for _ in range(3))
+    for group_id in (7, 5, 6):  # the order they finished in
+        buf.put(G(0, group_id))
+    assert [g.group_id for g in buf.get_batch(trainer_version=0, timeout=1)] == [5, 6, 7]
+
+
 def test_drop_at_consume_counts_stale_groups():
     buf = RolloutBuffer(batch_groups=1, max_staleness=1)
     for _ in range(3):

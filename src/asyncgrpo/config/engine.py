@@ -144,7 +144,9 @@ class EmbeddedEngineConfig(ServedEngineSettings):
     bf16 model computed in fp32 samples from the same weights with less rounding."""
     num_threads: int | None = Field(1, ge=1)
     """torch threads of the embedded engine process (None: torch's choice). One by default:
-    on a laptop the trainer needs the other cores."""
+    on a laptop the trainer needs the other cores. With more, a request's last bits depend
+    on its batch (PyTorch's CPU attention splits work by batch size), so a fixed-seed
+    synchronous run no longer repeats bit for bit."""
     max_num_seqs: int = Field(64, ge=1)
     """Sequences the embedded engine decodes together (KV-cache slots)."""
     prefix_cache_tokens: int = Field(4096, ge=0)

@@ -114,7 +114,8 @@ class RolloutBuffer:
     # ---- consumer side -------------------------------------------------------
 
     def get_batch(self, trainer_version: int, timeout: float | None = None) -> list:
-        """Take the next `batch_groups` fresh groups, dropping (and counting) stale ones.
+        """Take the next `batch_groups` fresh groups, dropping (and counting) stale ones;
+        the first to be ready, handed over in the order they were admitted (group ids).
 
         Raises TimeoutError when no full batch arrives within `timeout`, BufferClosed when
         closed first.
@@ -134,7 +135,11 @@ class RolloutBuffer:
                         f"(queued {len(self._queue)}, in flight {self.in_flight})"
                     )
                 self._cond.wait(remaining)
+            # in admission order, not the order the groups happened to finish: the
+            # trainer's float sums follow the batch order, and a fixed seed repeats a run
+            # only if they do not depend on timing
             batch = [self._queue.popleft() for _ in range(self.batch_groups)]
+            batch.sort(key=lambda g: g.group_id)
             self.ledger.consume(g.group_id for g in batch)
             self.staleness_seen.extend(staleness(trainer_version, g.min_version) for g in batch)
             self._cond.notify_all()

@@ -25,9 +25,12 @@ from collections import OrderedDict
 
 import torch
 
+from asyncgrpo.engine.attention import QUERY_BLOCK
 from asyncgrpo.engine.runner import ModelRunner
 
-BLOCK = 16  # tokens per cached block
+# tokens per cached block: the prefill's query block, so a prompt that starts after a
+# hit computes its remaining blocks exactly as a prefill of the whole prompt does
+BLOCK = QUERY_BLOCK
 
 _ROOT = -1  # parent id of a prompt's first block
 

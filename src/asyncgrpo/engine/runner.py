@@ -33,6 +33,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncgrpo.engine.attention import (
+    decode_attention,
+    decode_spans,
+    prefill_attention,
+    prefill_pieces,
+)
 from asyncgrpo.engine.types import RequestError
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -60,6 +66,9 @@ def _fuse_rows(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 PACK_BATCH_HINT = 32  # the batch size oneDNN tunes the packed layout for (any size works)
+# oneDNN and BLAS take a matrix-vector kernel for one or two rows, which rounds otherwise
+# (~1e-6 on SmolLM2-135M's MLP): fewer rows are padded to this many (4 and up agree)
+MIN_LINEAR_ROWS = 4
 
 
 class _Linear:
@@ -80,6 +89,15 @@ class _Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows >= MIN_LINEAR_ROWS:
+            return self._apply(x)
+        # a row's result must not depend on how many rows share the call (attention.py)
+        padded = x.new_zeros(MIN_LINEAR_ROWS, x.shape[-1])
+        padded[:rows] = x.reshape(rows, -1)
+        return self._apply(padded)[:rows].view(*x.shape[:-1], -1)
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -277,12 +295,10 @@ class ModelRunner:
         """
         self._refresh()
         b = tokens.shape[0]
-        length = int(positions.max()) + 1
-        self.ensure_capacity(length)
+        spans = decode_spans(positions, self.max_model_len)  # rows grouped by key length
+        self.ensure_capacity(max(s.key_len for s in spans))
         h = F.embedding(tokens, self.embed).unsqueeze(1)  # (B, 1, hidden)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        # (B, 1, 1, L): a sequence sees its own cached positions 0..pos.
-        mask = (torch.arange(length) <= positions.unsqueeze(1)).view(b, 1, 1, length)
         rows = torch.arange(b)
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_input(layer, h, cos, sin)
@@ -291,9 +307,7 @@ class ModelRunner:
             v_cache[rows, :, positions] = v[:, :, 0]
             # Fold the query heads that share a kv head into the query length.
             q = q.reshape(b, self.num_kv_heads, self.group, self.head_dim)
-            attn = F.scaled_dot_product_attention(
-                q, k_cache[:b, :, :length], v_cache[:b, :, :length], attn_mask=mask
-            )
+            attn = decode_attention(q, k_cache, v_cache, spans)
             h = self._mlp_residual(layer, h, attn.reshape(b, 1, -1))
         return self.logits(h[:, 0])
 
@@ -324,10 +338,7 @@ class ModelRunner:
             tokens[r, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
         start_t = torch.tensor(starts).unsqueeze(1)
         positions = (start_t + torch.arange(t)).clamp_(max=self.max_model_len - 1)  # (R, T)
-        key_len = max(ends)
-        # (R, 1, T, K): query t of row r sees cached positions <= starts[r] + t.
-        mask = (torch.arange(key_len).view(1, 1, key_len) <= positions.unsqueeze(2)).unsqueeze(1)
-        slot_index = torch.tensor(slots)
+        pieces = prefill_pieces(slots, starts, ends)
         h = F.embedding(tokens, self.embed)  # (R, T, hidden)
         cos, sin = self.cos[positions], self.sin[positions]
         for i, layer in enumerate(self.layers):
@@ -336,9 +347,7 @@ class ModelRunner:
             for r in range(n):
                 k_cache[slots[r], :, starts[r] : ends[r]] = k[r, :, : lengths[r]]
                 v_cache[slots[r], :, starts[r] : ends[r]] = v[r, :, : lengths[r]]
-            keys = k_cache[slot_index, :, :key_len]  # (R, kv_heads, K, D)
-            values = v_cache[slot_index, :, :key_len]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            attn = prefill_attention(q, k_cache, v_cache, pieces)  # (R, H, T, D)
             h = self._mlp_residual(layer, h, attn.transpose(1, 2).reshape(n, t, -1))
         last = torch.tensor(lengths) - 1
         return self.logits(h[torch.arange(n), last]), h
