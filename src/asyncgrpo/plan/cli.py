@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-mode", type=_modes, help="keep,abort,wait")
     p.add_argument("--max-num-seqs", type=int, help="engine slot limit (default: the run's)")
     p.add_argument("--gpus-per-engine", type=int, default=1, help="devices one replica uses")
+    p.add_argument("--colocated", action="store_true",
+                   help="synchronous baseline on one pool: engines generate, then the same devices train")  # fmt: skip
+    p.add_argument("--logprob-pass", action="store_true",
+                   help="the trainer recomputes old log-probs before each update (logprob_per_token_s)")  # fmt: skip
     p.add_argument("--budget", type=int, help="most devices (engines and trainer ranks)")
     p.add_argument("--decode-batch-half", type=float, default=16.0,
                    help="--from: batch at which a decode step's fixed and per-sequence costs are equal")  # fmt: skip
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.max_num_seqs:
         base = replace(base, max_num_seqs=args.max_num_seqs)
+    base = replace(base, colocated=args.colocated, logprob_pass=args.logprob_pass)
     axes = {
         "engines": args.engines,
         "trainer_ranks": args.trainer_ranks,
@@ -85,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     grid = layouts(base, axes)
     if not grid:
         print(
-            "error: no layout in the grid (weight_sync_steps needs more staleness)", file=sys.stderr
+            "error: no layout in the grid (weight_sync_steps needs more staleness;"
+            " --colocated needs --staleness 0)",
+            file=sys.stderr,
         )
         return 2
     rows = evaluate(

@@ -9,7 +9,14 @@ The costs are a few linear laws, few enough to fit from one run's `metrics.jsonl
 - an optimizer step on `N` tokens takes `train_base_s + N * train_per_token_s / speedup(ranks)`,
   where each doubling of the ranks keeps `rank_efficiency` of its ideal speed-up;
 - a weight sync keeps the trainer `sync_transfer_s` (or `model_bytes / sync_bytes_per_s`)
-  plus the engine's pause, `pause_s`, during which the engine generates nothing.
+  plus the engine's pause, `pause_s`, during which the engine generates nothing;
+- a layout with a log-prob pass (`Deployment.logprob_pass`: the trainer recomputes the
+  batch's old log-probs before its update) adds `logprob_per_token_s` per token;
+- a colocated layout (one device pool that generates, then trains) spends `switch_s`
+  per step moving the pool between the engine's and the trainer's memory, in place of
+  the weight transfer.
+
+Or they follow from a data sheet (`datasheet.py`, a `device:` mapping in the YAML).
 """
 
 from __future__ import annotations
@@ -20,9 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-class PlanInputError(ValueError):
-    """A cost model or run directory the planner cannot use (the message says why)."""
+from asyncgrpo.plan.errors import PlanInputError
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class Costs:
     sync_transfer_s: float = 0.0
     pause_s: float = 0.0
     step_overhead_s: float = 0.0  # trainer time per step outside train and sync (logging, ...)
+    logprob_per_token_s: float = 0.0  # one rank's forward pass for old log-probs, per token
+    switch_s: float = 0.0  # colocated: engine <-> trainer memory switch per step
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         return (
@@ -48,8 +55,9 @@ class Costs:
     def rank_speedup(self, ranks: int) -> float:
         return ranks * self.rank_efficiency ** math.log2(ranks) if ranks > 1 else 1.0
 
-    def train_step_s(self, tokens: int, ranks: int) -> float:
-        return self.train_base_s + tokens * self.train_per_token_s / self.rank_speedup(ranks)
+    def train_step_s(self, tokens: int, ranks: int, logprob_pass: bool = False) -> float:
+        per_token = self.train_per_token_s + (self.logprob_per_token_s if logprob_pass else 0.0)
+        return self.train_base_s + tokens * per_token / self.rank_speedup(ranks)
 
 
 @dataclass(frozen=True)
@@ -88,10 +96,14 @@ def costs_from_mapping(spec: dict) -> Costs:
     Device figures: `decode_tokens_per_s` at `decode_batch` (and `decode_latency_s`, the
     step time of one sequence; default: a tenth of the step at `decode_batch`),
     `train_tokens_per_s` (one rank), and `sync_s` or `model_gb` with `sync_gb_per_s`.
+    Or a data sheet under `device:` (`datasheet.py`). Fields given directly win.
     """
+    from asyncgrpo.plan.datasheet import costs_from_device
+
     spec = dict(spec)
     known = {f.name for f in fields(Costs)}
     out = {k: float(v) for k, v in spec.items() if k in known}
+    device = spec.pop("device", None)
     if "decode_tokens_per_s" in spec:
         batch = int(spec.get("decode_batch", 1))
         step = batch / float(spec["decode_tokens_per_s"])
@@ -105,6 +117,11 @@ def costs_from_mapping(spec: dict) -> Costs:
         out.setdefault("sync_transfer_s", float(spec["sync_s"]))
     elif "model_gb" in spec and "sync_gb_per_s" in spec:
         out.setdefault("sync_transfer_s", float(spec["model_gb"]) / float(spec["sync_gb_per_s"]))
+    if device is not None:  # after the figures above: what is given directly wins
+        if not isinstance(device, dict):
+            raise PlanInputError("cost model: device is a mapping of data-sheet figures")
+        for key, value in costs_from_device(device).items():
+            out.setdefault(key, value)
     missing = {"decode_base_s", "decode_per_seq_s", "train_per_token_s"} - out.keys()
     unknown = set(spec) - known - {
         "decode_tokens_per_s", "decode_batch", "decode_latency_s", "train_tokens_per_s",
@@ -120,11 +137,18 @@ def costs_from_mapping(spec: dict) -> Costs:
 
 
 def lengths_from_mapping(spec: dict | None) -> Lengths:
-    """`{constant: N}` or `{median: N, sigma: S, max_tokens: M}`, with `prompt_tokens`."""
+    """`{constant: N}`, `{median: N, sigma: S, max_tokens: M}` or an empirical law
+    `{values: [...], weights: [...]}` (weights optional), with `prompt_tokens`."""
     spec = dict(spec or {"median": 256, "sigma": 0.8, "max_tokens": 1024})
     prompt = int(spec.get("prompt_tokens", 64))
     if "constant" in spec:
         return Lengths.constant(int(spec["constant"]), prompt)
+    if "values" in spec:
+        values = tuple(int(v) for v in spec["values"])
+        weights = tuple(float(w) for w in spec.get("weights", ()))
+        if not values or min(values) < 1 or (weights and len(weights) != len(values)):
+            raise PlanInputError("lengths: values are positive token counts, one weight each")
+        return Lengths(values, prompt, weights)
     try:
         return Lengths.lognormal(
             int(spec["median"]), float(spec["sigma"]), int(spec["max_tokens"]), prompt

@@ -30,6 +30,8 @@ class Candidate:
         p = self.prediction
         return {
             **{k: getattr(self.layout, k) for k in AXES},
+            "colocated": self.layout.colocated,
+            "logprob_pass": self.layout.logprob_pass,
             "devices": self.devices,
             "samples_per_s": p.samples_per_s,
             "step_s": p.step_s,
@@ -42,14 +44,25 @@ class Candidate:
 
 def layouts(base: Deployment, axes: dict[str, list]) -> list[Deployment]:
     """Every combination of the values in `axes` (missing axes keep `base`'s value);
-    a layout the recipe would refuse (a sync less often than the staleness allows) is left out."""
+    a layout the recipe would refuse (a sync less often than the staleness allows) or a
+    colocated one with staleness is left out."""
     names = [k for k in AXES if axes.get(k)]
     out = []
     for values in itertools.product(*(axes[k] for k in names)):
         layout = Deployment(**{**asdict(base), **dict(zip(names, values, strict=True))})
+        if layout.colocated and layout.max_staleness:
+            continue  # a colocated pool cannot generate while it trains
         if layout.weight_sync_steps <= layout.max_staleness + 1:
             out.append(layout)
     return out
+
+
+def devices(layout: Deployment, gpus_per_engine: int) -> int:
+    """Devices the layout holds: colocated engines and ranks share theirs."""
+    engines = layout.engines * gpus_per_engine
+    if layout.colocated:
+        return max(engines, layout.trainer_ranks)
+    return engines + layout.trainer_ranks
 
 
 def evaluate(
@@ -64,7 +77,7 @@ def evaluate(
     return [
         Candidate(
             layout,
-            layout.engines * gpus_per_engine + layout.trainer_ranks,
+            devices(layout, gpus_per_engine),
             predict(layout, costs, lengths, seed=seed, steps=steps, warmup=max(1, steps // 5)),
         )
         for layout in candidates
@@ -86,9 +99,10 @@ def table(candidates: list[Candidate]) -> str:
         lay, p = c.layout, c.prediction
         ahead = "-" if lay.max_ahead_batches is None else f"{lay.max_ahead_batches:g}"
         dist = " ".join(f"{k}:{v}" for k, v in p.staleness.items())
+        mode = "coloc" if lay.colocated else lay.sync_mode
         lines.append(
             f"{lay.engines:>3} {lay.trainer_ranks:>4} {lay.max_staleness:>5} {ahead:>5} "
-            f"{lay.batch_groups:>3} {lay.num_generations:>3} {lay.sync_mode:>5} {c.devices:>4} "
+            f"{lay.batch_groups:>3} {lay.num_generations:>3} {mode:>5} {c.devices:>4} "
             f"{p.samples_per_s:>10.3f} {p.step_s:>8.3f} {p.engine_idle:>8.2f} "
             f"{p.trainer_idle:>8.2f}  {dist}"
         )

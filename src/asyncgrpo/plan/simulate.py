@@ -8,6 +8,12 @@ sequences (`client/router.py`), the trainer syncs every `weight_sync_steps` step
 waits for the sync, and the engine pauses under `keep` (a pause), `abort` (a pause,
 then running requests prefill their context again) or `wait` (no new admissions until
 the running ones finish, then the pause). Synchronous GRPO is `max_staleness = 0`.
+
+A `colocated` layout is the synchronous baseline of verl-style systems: one device pool
+whose engines generate a batch, then whose trainer ranks train on it (the same devices),
+with `Costs.switch_s` per step to move the pool between the two (offload, reload,
+reshard) in place of a weight transfer. Only `max_staleness = 0` is colocated here: the
+pool cannot generate while it trains.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from asyncgrpo.coordinator.staleness import admission_budget, is_too_stale, may_admit
-from asyncgrpo.plan.costs import Costs, Lengths
+from asyncgrpo.plan.costs import Costs, Lengths, PlanInputError
 from asyncgrpo.plan.engine import Sequence, SimEngine
 
 
@@ -37,6 +43,8 @@ class Deployment:
     sync_mode: str = "keep"
     weight_sync_steps: int = 1
     max_num_seqs: int = 256
+    colocated: bool = False  # engines and trainer take turns on one device pool
+    logprob_pass: bool = False  # the trainer recomputes old log-probs before its update
 
     @property
     def max_ahead(self) -> int | None:
@@ -84,6 +92,8 @@ class TraceRecorder:
 
 class Simulation:
     def __init__(self, layout: Deployment, costs: Costs, lengths: Lengths, seed: int = 0):
+        if layout.colocated and layout.max_staleness != 0:
+            raise PlanInputError("a colocated layout is synchronous: it needs max_staleness 0")
         self.layout, self.costs, self.lengths = layout, costs, lengths
         self.draw = lengths.sampler(np.random.default_rng(seed))
         self.engines = [SimEngine(i, costs, layout.max_num_seqs) for i in range(layout.engines)]
@@ -178,7 +188,9 @@ class Simulation:
         self.staleness.extend(self.version - g.min_version for g in batch)
         self.trainer_busy = True
         tokens = sum(g.tokens for g in batch)
-        took = self.costs.step_overhead_s + self.costs.train_step_s(tokens, lay.trainer_ranks)
+        took = self.costs.step_overhead_s + self.costs.train_step_s(
+            tokens, lay.trainer_ranks, lay.logprob_pass
+        )
         # as the run's timeline counts it, the trainer is busy training or syncing; its
         # other per-step work (the row, samples, checkpoints) counts as idle
         self.spans.append(("train", now + self.costs.step_overhead_s, now + took))
@@ -195,7 +207,8 @@ class Simulation:
         if self.layout.sync_mode == "wait":
             for engine in self.engines:
                 engine.hold = True
-        self.push(now + self.costs.sync_transfer_s, "transferred")
+        transfer = self.costs.switch_s if self.layout.colocated else self.costs.sync_transfer_s
+        self.push(now + transfer, "transferred")
 
     def on_transferred(self, now: float) -> None:
         self.syncing["pause_at"] = now
