@@ -22,10 +22,7 @@ reads `max_turns`, the sampling and (OpenEnv) the shared opening messages from i
 
 from __future__ import annotations
 
-import json
 from typing import Any
-
-from pydantic import ValidationError
 
 from asyncgrpo.agents.rollout_api import LLM, Result
 from asyncgrpo.agents.tools import ToolBox
@@ -121,24 +118,16 @@ def _opening(task: dict, observation: str) -> list[dict]:
 
 
 def _guess(env: Any, call: Any) -> tuple[Any, str | None]:
-    """The step's observation, or the error text the model reads."""
+    """The step's observation, or the error text the model reads (decoded by the
+    adapter's own checker, so both ways answer a bad call with the same message)."""
+    from asyncgrpo.environments.openenv import ActionChecker
     from examples.openenv_guess import GuessAction
 
-    if call.function.name != "guess":
-        return None, f"Error: unknown tool {call.function.name!r}; the tool is 'guess'."
-    try:
-        arguments = json.loads(call.function.arguments or "{}")
-    except ValueError as exc:
-        return None, f"Error: the arguments are not valid JSON ({exc})."
-    if not isinstance(arguments, dict):
-        return None, "Error: the arguments must be a JSON object."
-    try:
-        action = GuessAction(**arguments)
-    except ValidationError as exc:  # one line, as short as the adapter's
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "arguments"
-        return None, f"Error: invalid action: {where}: {first['msg']}."
-    return env.step(action), None
+    checker = SETTINGS.setdefault("guess_checker", ActionChecker(SETTINGS["guess_tool"]))
+    arguments, problem = checker.action(call)
+    if problem is not None:
+        return None, problem
+    return env.step(GuessAction(**arguments)), None
 
 
 async def openenv_rollout(task: dict, llm: LLM) -> Result:
