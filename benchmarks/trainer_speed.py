@@ -288,15 +288,18 @@ def time_systems(args, steps, vocab: int, device: torch.device) -> dict[str, lis
 
 
 def write_profile(path: Path, step, groups, device: torch.device) -> None:
-    """torch.profiler's operator table for one step, sorted by the device's own time."""
+    """torch.profiler's operator tables for one step, sorted by the device's own time: by
+    operator, then by operator and input shapes (which tensors the copies are)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         step(groups)
         synchronize(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+    by_op = prof.key_averages().table(sort_by=key, row_limit=40)
+    by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=60)
+    path.write_text(f"{by_op}\n\nBy input shape:\n{by_shape}")
     print(f"wrote {path}")
 
 

@@ -254,7 +254,14 @@ def _sdpa_kernels(device: torch.device):
 
 
 def _attend_segments(query, key, value, packed_segments, dropout, scaling) -> torch.Tensor:
-    """(1, Hq, N, D): sdpa over each segment, a completion's keys behind its prompt's."""
+    """(1, Hq, N, D): sdpa over each segment, a completion's keys behind its prompt's.
+
+    On a CPU the segments attend in float32: torch's CPU flash kernel converts half
+    inputs block by block and runs ~1.3-1.6x slower on them than on float32 ones
+    (`benchmarks/README.md`, trainer on CPU); the casts are N x D per head, small."""
+    dtype = query.dtype
+    if query.device.type == "cpu" and dtype in HALF_DTYPES:
+        query, key, value = query.float(), key.float(), value.float()
     gqa = query.shape[1] != key.shape[1]
     # split, not slicing: the backward of S slices would zero-fill S full-size gradients
     sizes = [seg.end - seg.start for seg in packed_segments]
@@ -277,7 +284,8 @@ def _attend_segments(query, key, value, packed_segments, dropout, scaling) -> to
                 enable_gqa=gqa,
             )
         )
-    return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+    out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
+    return out.to(dtype)
 
 
 def enable_packed_attention(model) -> None:
