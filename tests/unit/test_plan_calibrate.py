@@ -128,3 +128,21 @@ def test_cli_error_is_one_line(tmp_path, capsys):
 def test_planning_imports_no_torch():
     code = "import sys, asyncgrpo.plan.cli; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_shares_one_hosts_cores_among_the_roles(run_dir, tmp_path):
+    """The run's engine and trainer (a thread each) overlap at staleness 1: on one core
+    they slow each other, on two they do not."""
+    path, _ = run_dir
+    rates = {}
+    for cores in ("1", "2"):
+        out = tmp_path / f"plan{cores}.json"
+        argv = ["--from", str(path), "--staleness", "1", "--shared-cores", cores]
+        assert main([*argv, "--steps", "12", "--json", str(out)]) == 0
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["shared_cores"] == float(cores)
+        rates[cores] = row["samples_per_s"]
+    out = tmp_path / "own.json"
+    assert main(["--from", str(path), "--staleness", "1", "--steps", "12", "--json", str(out)]) == 0
+    (own,) = json.loads(out.read_text())["rows"]
+    assert rates["1"] < rates["2"] == pytest.approx(own["samples_per_s"], rel=1e-9)

@@ -142,3 +142,60 @@ def test_per_step_work_outside_train_and_sync_counts_as_trainer_idle():
     p = predict(layout(max_staleness=1, max_ahead_batches=1.0), c, Lengths.constant(L, P))
     assert p.step_s == pytest.approx(1.0 + train + sync, rel=0.01)
     assert p.trainer_idle == pytest.approx(1.0 / (1.0 + train + sync), rel=0.01)
+
+
+@pytest.mark.parametrize("per_ctx", [0.0, 2e-6])
+def test_one_shared_core_runs_generation_and_training_one_after_the_other(per_ctx):
+    """Trainer-bound, engine and trainer one thread each: on one core the overlap buys
+    nothing (both run at half speed while both compute), so an async step costs what a
+    sync step does; on two cores the roles do not slow each other at all."""
+    c = costs(decode_per_ctx_s=per_ctx, train_per_token_s=0.003)
+    gen, train, sync = hand_generate_s(c), hand_train_s(c), c.sync_transfer_s + c.pause_s
+    assert gen < train
+    lengths = Lengths.constant(L, P)
+    one_core = predict(layout(max_staleness=1, shared_cores=1), c, lengths)
+    assert one_core.step_s == pytest.approx(gen + train + sync, rel=0.01)
+    sync_one_core = predict(layout(max_staleness=0, shared_cores=1), c, lengths)
+    assert sync_one_core.step_s == pytest.approx(gen + train + sync, rel=0.01)
+    two_cores = predict(layout(max_staleness=1, shared_cores=2), c, lengths)
+    own_devices = predict(layout(max_staleness=1), c, lengths)
+    assert two_cores.step_s == pytest.approx(own_devices.step_s, rel=1e-9)
+    assert two_cores.step_s == pytest.approx(train + sync, rel=0.01)
+
+
+@pytest.mark.parametrize("regime", ["engine-bound", "balanced", "trainer-bound"])
+@pytest.mark.parametrize("engines", [1, 2])
+def test_fewer_shared_cores_never_raise_throughput(regime, engines):
+    rates = [
+        predict(
+            layout(engines=engines, max_staleness=1, shared_cores=cores),
+            REGIMES[regime],
+            TAILED,
+            seed=1,
+            steps=16,
+            warmup=4,
+        ).samples_per_s
+        for cores in (1, 1.5, 2, 3, 8)
+    ]
+    assert rates == sorted(rates)
+    assert rates[-1] == pytest.approx(
+        predict(
+            layout(engines=engines, max_staleness=1),
+            REGIMES[regime],
+            TAILED,
+            seed=1,
+            steps=16,
+            warmup=4,
+        ).samples_per_s,  # fmt: skip
+        rel=1e-9,
+    )
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
+@pytest.mark.parametrize("engines", [1, 3])
+def test_throttle_bound_holds_on_a_shared_host(mode, engines):
+    lay = layout(engines=engines, max_staleness=2, sync_mode=mode, shared_cores=2)
+    recorder = TraceRecorder()
+    p = predict(lay, REGIMES["balanced"], TAILED, seed=5, steps=16, warmup=4, recorder=recorder)
+    assert len(recorder.points) > 100
+    assert max(p.staleness) <= 2

@@ -55,6 +55,8 @@ def run_layout(run_dir: Path) -> Deployment:
         sync_mode=coord.get("sync_mode", "keep"),
         weight_sync_steps=int(coord.get("weight_sync_steps", 1)),
         max_num_seqs=int(engine.get("max_num_seqs", 256)),
+        engine_threads=int(engine.get("num_threads") or 1),
+        trainer_threads=int(cfg.get("trainer", {}).get("num_threads") or 1),
     )
 
 

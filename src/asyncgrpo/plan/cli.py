@@ -2,6 +2,7 @@
 
     asyncgrpo plan --from runs/demo --engines 1,2 --staleness 0,1,2
     asyncgrpo plan --costs cluster.yaml --engines 4,8,16 --trainer-ranks 4,8 --budget 24
+    asyncgrpo plan --from runs/demo --engines 1,2 --shared-cores 2   # replicas on the laptop
 
 With `--from`, every axis not given keeps the run's own value; `--json` writes every
 row, `--plot` draws the fastest layout's predicted timeline.
@@ -55,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synchronous baseline on one pool: engines generate, then the same devices train")  # fmt: skip
     p.add_argument("--logprob-pass", action="store_true",
                    help="the trainer recomputes old log-probs before each update (logprob_per_token_s)")  # fmt: skip
+    p.add_argument("--shared-cores", type=float,
+                   help="engines and trainer share this many cores on one host (a laptop, a CPU node)")  # fmt: skip
+    p.add_argument("--engine-threads", type=int, help="with --shared-cores (default: the run's)")
+    p.add_argument("--trainer-threads", type=int, help="with --shared-cores (default: the run's)")
     p.add_argument("--budget", type=int, help="most devices (engines and trainer ranks)")
     p.add_argument("--decode-batch-half", type=float, default=16.0,
                    help="--from: batch at which a decode step's fixed and per-sequence costs are equal")  # fmt: skip
@@ -78,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_seqs:
         base = replace(base, max_num_seqs=args.max_num_seqs)
     base = replace(base, colocated=args.colocated, logprob_pass=args.logprob_pass)
+    if args.shared_cores is not None:
+        if args.shared_cores <= 0:
+            print("error: --shared-cores must be positive", file=sys.stderr)
+            return 2
+        base = replace(base, shared_cores=args.shared_cores)
+    for name in ("engine_threads", "trainer_threads"):
+        if getattr(args, name):
+            base = replace(base, **{name: getattr(args, name)})
     axes = {
         "engines": args.engines,
         "trainer_ranks": args.trainer_ranks,

@@ -9,6 +9,8 @@ step, its duration summed in closed form. Anything that would change the batch
 (a new request, a pause) cuts the segment at the end of the step in progress, as
 the real scheduler would see it at its next step. A request's tokens carry the
 engine's version of the step that sampled its first token (its oldest token).
+Its times are the simulator's work clock: wall seconds, or on a shared host the work
+seconds of `host.py`.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class SimEngine:
         self.paused_until = 0.0
         self.reprefill = False  # abort-mode sync: running requests prefill their context again
         self.generated = 0  # tokens decoded so far
-        self.busy: list[tuple[float, float]] = []  # segments, for idle fractions and plots
+        self.busy: list[tuple[float, float]] = []  # wall spans of segments (the simulator's)
         self._segment: tuple[float, float, int, float, int] | None = None  # t0, prefill, B, C, k
 
     @property
@@ -98,10 +100,9 @@ class SimEngine:
         self.epoch += 1
         return t0 + self._elapsed(prefill, batch, ctx, j)
 
-    def finish_segment(self, now: float) -> list[Sequence]:
+    def finish_segment(self) -> list[Sequence]:
         """Apply the segment's tokens at its end; the sequences that finished."""
-        t0, _, _, _, steps = self._segment
-        self.busy.append((t0, now))
+        steps = self._segment[4]
         self._segment = None
         self.generated += steps * len(self.running)
         for seq in self.running:

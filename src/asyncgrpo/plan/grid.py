@@ -32,6 +32,7 @@ class Candidate:
             **{k: getattr(self.layout, k) for k in AXES},
             "colocated": self.layout.colocated,
             "logprob_pass": self.layout.logprob_pass,
+            "shared_cores": self.layout.shared_cores,
             "devices": self.devices,
             "samples_per_s": p.samples_per_s,
             "step_s": p.step_s,

@@ -14,6 +14,10 @@ whose engines generate a batch, then whose trainer ranks train on it (the same d
 with `Costs.switch_s` per step to move the pool between the two (offload, reload,
 reshard) in place of a weight transfer. Only `max_staleness = 0` is colocated here: the
 pool cannot generate while it trains.
+
+A layout with `shared_cores` puts the engines and the trainer on one host's cores
+(`host.py`): their computation runs in work seconds of one shared clock, and every
+change in the number of busy threads moves the wall-clock ends of what is running.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 from asyncgrpo.coordinator.staleness import admission_budget, is_too_stale, may_admit
 from asyncgrpo.plan.costs import Costs, Lengths, PlanInputError
 from asyncgrpo.plan.engine import Sequence, SimEngine
+from asyncgrpo.plan.host import WorkClock
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,9 @@ class Deployment:
     max_num_seqs: int = 256
     colocated: bool = False  # engines and trainer take turns on one device pool
     logprob_pass: bool = False  # the trainer recomputes old log-probs before its update
+    shared_cores: float | None = None  # engines and trainer share these cores (one host)
+    engine_threads: int = 1  # threads of one replica, with shared_cores
+    trainer_threads: int = 1  # threads of one trainer rank, with shared_cores
 
     @property
     def max_ahead(self) -> int | None:
@@ -102,7 +110,13 @@ class Simulation:
         self.queue: deque[SimGroup] = deque()
         self.in_flight = self.consumed = self.version = self.engine_version = 0
         self.turn = 0  # round-robin among replicas tied on outstanding work
-        self.trainer_busy = False
+        self.trainer_busy = False  # training or syncing
+        self.training = False
+        self.trainer_epoch = 0  # bumps when the pending end of a step is replaced
+        self.train_started = self.train_end = 0.0  # wall, work seconds
+        self.clock = None if layout.shared_cores is None else WorkClock(layout.shared_cores)
+        self.segment_started = [0.0] * layout.engines  # wall
+        self.segment_end = [0.0] * layout.engines  # work seconds
         self.step_ends: list[float] = []
         self.staleness: list[int] = []
         self.dropped_stale = 0
@@ -148,16 +162,51 @@ class Simulation:
     def wake(self, engine: SimEngine, now: float) -> None:
         if now < engine.paused_until:
             return  # its resume event starts it
-        end = engine.start(now) if engine.idle() else engine.cut(now)
+        was_idle = engine.idle()
+        end = engine.start(self.work(now)) if was_idle else engine.cut(self.work(now))
         if end is not None:
-            self.push(end, "segment", engine.index, engine.epoch)
+            if was_idle:
+                self.segment_started[engine.index] = now
+            self.schedule_segment(engine, end, now)
+
+    # ---- the host's clock (`host.py`): the identity unless the roles share cores --------
+    def work(self, now: float) -> float:
+        return now if self.clock is None else self.clock.work(now)
+
+    def wall(self, now: float, work_end: float) -> float:
+        return work_end if self.clock is None else self.clock.wall(now, work_end)
+
+    def schedule_segment(self, engine: SimEngine, work_end: float, now: float) -> None:
+        self.segment_end[engine.index] = work_end
+        self.push(self.wall(now, work_end), "segment", engine.index, engine.epoch)
+
+    def schedule_step_end(self, now: float) -> None:
+        self.trainer_epoch += 1
+        self.push(self.wall(now, self.train_end), "trained", self.trainer_epoch)
+
+    def reshare(self, now: float) -> None:
+        """After every event: the busy threads set the rate; a new rate moves every end."""
+        if self.clock is None:
+            return
+        lay = self.layout
+        busy = sum(not e.idle() for e in self.engines) * lay.engine_threads
+        busy += self.training * lay.trainer_ranks * lay.trainer_threads
+        if not self.clock.share(now, busy):
+            return
+        for engine in self.engines:
+            if not engine.idle():
+                engine.epoch += 1
+                self.schedule_segment(engine, self.segment_end[engine.index], now)
+        if self.training:
+            self.schedule_step_end(now)
 
     # ---- events -----------------------------------------------------------------------
     def on_segment(self, now: float, index: int, epoch: int) -> None:
         engine = self.engines[index]
         if epoch != engine.epoch or engine.idle():
             return
-        for seq in engine.finish_segment(now):
+        engine.busy.append((self.segment_started[index], now))
+        for seq in engine.finish_segment():
             seq.group.pending -= 1
             if seq.group.pending == 0:
                 self.in_flight -= 1
@@ -186,18 +235,22 @@ class Simulation:
         batch = [self.queue.popleft() for _ in range(lay.batch_groups)]
         self.consumed += lay.batch_groups
         self.staleness.extend(self.version - g.min_version for g in batch)
-        self.trainer_busy = True
+        self.trainer_busy = self.training = True
         tokens = sum(g.tokens for g in batch)
         took = self.costs.step_overhead_s + self.costs.train_step_s(
             tokens, lay.trainer_ranks, lay.logprob_pass
         )
-        # as the run's timeline counts it, the trainer is busy training or syncing; its
-        # other per-step work (the row, samples, checkpoints) counts as idle
-        self.spans.append(("train", now + self.costs.step_overhead_s, now + took))
-        self.push(now + took, "trained")
+        self.train_started, self.train_end = now, self.work(now) + took
+        self.schedule_step_end(now)
         self.admit(now)
 
-    def on_trained(self, now: float) -> None:
+    def on_trained(self, now: float, epoch: int) -> None:
+        if epoch != self.trainer_epoch:
+            return  # moved by a change in the host's sharing
+        self.training = False
+        # as the run's timeline counts it, the trainer is busy training or syncing; its
+        # other per-step work (the row, samples, checkpoints) counts as idle
+        self.spans.append(("train", self.train_started + self.costs.step_overhead_s, now))
         self.version += 1
         self.step_ends.append(now)
         if self.version % self.layout.weight_sync_steps:
@@ -218,9 +271,9 @@ class Simulation:
             if engine.idle():
                 self.begin_pause(engine, now)
             else:
-                end = engine.cut(now)
+                end = engine.cut(self.work(now))
                 if end is not None:
-                    self.push(end, "segment", engine.index, engine.epoch)
+                    self.schedule_segment(engine, end, now)
 
     def begin_pause(self, engine: SimEngine, now: float) -> None:
         if engine.index in self.syncing["paused"]:
@@ -260,14 +313,16 @@ class Simulation:
     def run(self, steps: int, recorder: TraceRecorder | None = None) -> None:
         handlers = {
             "segment": self.on_segment,
-            "trained": lambda now: self.on_trained(now),
+            "trained": self.on_trained,
             "transferred": self.on_transferred,
             "resumed": self.on_resumed,
         }
         self.admit(0.0)
+        self.reshare(0.0)
         while self.events and len(self.step_ends) < steps:
             now, _, kind, data = heapq.heappop(self.events)
             handlers[kind](now, *data)
+            self.reshare(now)
             if recorder is not None:
                 lay = self.layout
                 budget = admission_budget(
