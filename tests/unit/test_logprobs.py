@@ -99,6 +99,29 @@ def test_fused_lm_head_under_bf16_autocast_is_close_to_fp32():
     torch.testing.assert_close(lp.double(), want_lp.detach(), atol=0.1, rtol=0.05)
 
 
+@pytest.mark.parametrize("buffer_rows", [3, 8, 64])  # below a chunk, two chunks, all rows
+def test_bf16_head_weight_gradient_matches_a_float64_loop(buffer_rows, monkeypatch):
+    """The bf16 head gathers chunks' logit gradients into buffers of `buffer_rows` rows
+    (a buffer never holds less than a chunk) and returns a float32 weight gradient."""
+    monkeypatch.setattr(logprobs_module, "HEAD_GRAD_BUFFER_BYTES", buffer_rows * 128 * 2)
+    torch.manual_seed(5)
+    head = torch.nn.Linear(32, 128, bias=False)
+    hidden = torch.randn(13, 32)
+    targets = torch.randint(0, 128, (13,))
+    weights = torch.rand(13)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = lm_head_token_logprobs(hidden, head, targets, chunk_rows=4)
+    (lp * weights).sum().backward()
+    assert head.weight.grad.dtype == torch.float32
+    w = head.weight.detach().bfloat16().double().requires_grad_()
+    total = 0.0
+    for row, target, weight in zip(hidden.bfloat16().double(), targets, weights.double()):
+        total = total + torch.log_softmax(w @ row, dim=-1)[target] * weight
+    total.backward()
+    scale = w.grad.abs().max().item()
+    torch.testing.assert_close(head.weight.grad.double(), w.grad, atol=0.01 * scale, rtol=0.02)
+
+
 # ---- top_p < 1: log-probs of the truncated, renormalised distribution the engine samples --
 
 

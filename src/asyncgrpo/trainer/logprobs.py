@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 DEFAULT_CHUNK_ROWS = 512
+HEAD_GRAD_BUFFER_BYTES = 256 << 20  # low-precision logit gradients held for one matmul
 
 
 def selective_log_softmax(
@@ -174,6 +175,20 @@ class _LMHeadLogProbs(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         use_entropy = ctx.with_entropy and grad_entropy is not None
+        # a low-precision head's weight gradient: chunks' logit gradients gather in one
+        # buffer, one matmul per buffer, then one float32 add (per chunk, the float copy
+        # and add of a (V, H) product cost as much as the matmul on a CPU)
+        buffer = None
+        if need_w and weight.dtype != torch.float32:
+            rows_fit = HEAD_GRAD_BUFFER_BYTES // (weight.shape[0] * hidden.element_size())
+            buffer = hidden.new_empty(
+                min(hidden.shape[0], max(rows_fit, chunk_rows)), weight.shape[0]
+            )
+        held = 0  # first row of `hidden` whose logit gradient the buffer holds
+
+        def flush(end: int) -> None:
+            grad_w.add_((buffer[: end - held].t() @ hidden[held:end]).float())
+
         for s in range(0, hidden.shape[0], chunk_rows):
             rows = slice(s, s + chunk_rows)
             h = hidden[rows]  # (c, H)
@@ -197,15 +212,21 @@ class _LMHeadLogProbs(torch.autograd.Function):
             grad_z.scatter_add_(1, targets[rows, None], g_lp)
             if temperature != 1.0:
                 grad_z.div_(temperature)
-            grad_logits = grad_z.to(hidden.dtype)  # (c, V)
+            if buffer is None:
+                grad_logits = grad_z.to(hidden.dtype)  # (c, V)
+            else:
+                if s + len(h) - held > len(buffer):
+                    flush(s)
+                    held = s
+                grad_logits = buffer[s - held : s - held + len(h)].copy_(grad_z)  # (c, V)
             if need_h:
                 torch.mm(grad_logits, weight, out=grad_h[rows])
-            if need_w and weight.dtype == torch.float32:
+            if need_w and buffer is None:
                 grad_w.addmm_(grad_logits.t(), h)
-            elif need_w:  # accumulate a low-precision head's gradient in float32
-                grad_w += (grad_logits.t() @ h).float()
             if need_b:
                 grad_b += grad_logits.float().sum(0)
+        if buffer is not None:
+            flush(hidden.shape[0])
         weight_dtype, bias_dtype = ctx.param_dtypes
         grad_w = grad_w.to(weight_dtype) if need_w else None
         grad_b = grad_b.to(bias_dtype) if need_b else None
