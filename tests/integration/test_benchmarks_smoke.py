@@ -50,6 +50,8 @@ def test_engine_throughput(tmp_path):
         else:  # 4 prompts x 2 samples, up to 8 tokens each
             assert 0 < result["tokens"] <= 4 * 2 * 8
     assert report["ratios"]["embedded/fixed64"]["vs_generate_bf16"] > 0
+    assert all(0 < r["mfu"] < 1 for r in results.values())  # against the same run's matmul
+    assert set(report["ceiling"]) == {"fixed64", "grpo256"}
     assert (tmp_path / "embedded.log").exists()
 
 

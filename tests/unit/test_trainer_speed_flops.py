@@ -69,3 +69,17 @@ def test_padded_step_loss_is_the_token_mean_policy_gradient(speed):
     for mine, reference in zip(got, (p.grad for p in model.parameters()), strict=True):
         assert torch.allclose(mine, reference, atol=1e-6)
     assert any(g.abs().max() > 1e-4 for g in got), "the test would not notice a wrong gradient"
+
+
+def test_generation_flops_prefill_a_prompt_once_and_decode_each_sample(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    ceiling = importlib.import_module("ceiling")
+    speed = importlib.import_module("trainer_speed")
+    config = speed.model_config("tiny")  # the sizes counted by hand in the test above
+    body, head, attend = 2 * 36864, 512 * 64, 4 * 2 * 64
+    # a 3-token prompt, 2 samples of 2 tokens: the prefill (3 inputs, 1+2+3 pairs) yields
+    # each sample's first token; its second comes from one decode input seeing 4 keys
+    prefill = 2 * body * 3 + attend * 6
+    sample = 2 * body * 1 + 2 * head * 2 + attend * 4
+    assert ceiling.generation_flops(config, [3], 2, 2.0) == prefill + 2 * sample
+    assert ceiling.linear_weights(config) == (body, head)
