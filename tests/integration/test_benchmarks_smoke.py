@@ -55,6 +55,20 @@ def test_engine_throughput(tmp_path):
     assert (tmp_path / "embedded.log").exists()
 
 
+def test_trainer_speed(tmp_path):
+    out, profile = tmp_path / "trainer_speed.json", tmp_path / "profile.txt"
+    run_benchmark_here(
+        "trainer_speed.py",
+        *("--shape", "tiny", "--threads", "1", "--groups", "2", "--group-size", "2"),
+        *("--prompt-len", "8", "--completion-min", "4", "--completion-max", "12"),
+        *("--steps", "1", "--warmup", "0", "--profile", str(profile), "--out", str(out)),
+    )
+    rows = {r["system"]: r for r in read_json(out)["rows"]}
+    assert set(rows) == {"asyncgrpo", "padded"}
+    assert all(r["step_s"] > 0 and r["mfu"] > 0 for r in rows.values())
+    assert "By input shape" in profile.read_text()
+
+
 def test_server_load(tmp_path):
     out = tmp_path / "server_load.json"
     run_benchmark_here(
