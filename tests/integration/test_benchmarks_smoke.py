@@ -256,6 +256,25 @@ def test_staleness_study_runs_then_resumes(tmp_path, tiny_recipe, capsys):
     assert [p.stat().st_mtime_ns for p in results] == stamps
 
 
+@pytest.mark.heavy  # four short training runs: ~60 s
+def test_plan_against_runs(tmp_path, tiny_recipe):
+    """Runs long enough for the engine's busy time (polled every 0.5 s) to show."""
+    out = tmp_path / "plan"
+    args = ("--recipe", str(tiny_recipe), "--steps", "24", "--from-step", "6", "--out", str(out))
+    args += ("--set", "rollout.max_tokens=48", "--set", "rollout.num_generations=4")
+    run_benchmark_here("plan_against_runs.py", *args, "--shared-cores", "2")
+    rows = read_json(out / "plan_against_runs.json")["rows"]
+    assert [r["run"] for r in rows] == [
+        "staleness 0 (sync)",
+        "staleness 1 (calibration run)",
+        "staleness 2, no look-ahead cap",
+        "two engine replicas, staleness 1",
+    ]
+    assert all(r["measured_samples_per_s"] > 0 and r["predicted_samples_per_s"] > 0 for r in rows)
+    config = (out / "plan-two-engine-replicas" / "config.yaml").read_text()
+    assert "replicas: 2" in config
+
+
 def test_ray_launcher_local(tmp_path, tiny_recipe):
     """The script's local launcher; the Ray ones run in the test marked `ray` below."""
     out = tmp_path / "ray_launcher.json"
