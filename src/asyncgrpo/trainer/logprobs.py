@@ -46,6 +46,7 @@ import torch
 
 DEFAULT_CHUNK_ROWS = 512
 HEAD_GRAD_BUFFER_BYTES = 256 << 20  # low-precision logit gradients held for one matmul
+KEPT_LOGITS_BYTES = 512 << 20  # low-precision logits up to this size skip the recompute
 
 
 def selective_log_softmax(
@@ -110,15 +111,26 @@ def outside_support(z: torch.Tensor, threshold: torch.Tensor, targets: torch.Ten
     return outside.scatter_(1, targets[:, None], False)
 
 
-def _chunk_logits(hidden, weight, bias, temperature) -> torch.Tensor:
-    """Fresh (c, V) float32 logits / temperature, safe to modify in place."""
-    logits = hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
+def _chunk_logits(hidden, weight, bias, temperature, out=None) -> torch.Tensor:
+    """Fresh (c, V) float32 logits / temperature, safe to modify in place; the head's own
+    product is written to `out` (kept for the backward) when given."""
+    if bias is None:
+        logits = torch.mm(hidden, weight.t(), out=out)
+    else:
+        logits = torch.addmm(bias, hidden, weight.t(), out=out)
+    return _float_logits(logits, temperature)
+
+
+def _float_logits(logits, temperature) -> torch.Tensor:
     logits = logits.float()  # a copy only under bf16
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
 class _LMHeadLogProbs(torch.autograd.Function):
-    """Fused head + selective log-softmax (+ entropy); recomputes logits in backward.
+    """Fused head + selective log-softmax (+ entropy). The backward needs the logits
+    again: low-precision ones up to `KEPT_LOGITS_BYTES` are kept from the forward (the
+    same numbers; on a CPU the recompute is ~6% of a training step), larger or float32
+    ones are recomputed chunk by chunk.
 
     Works in place on each chunk: at most two (chunk, V) float32 buffers live (more
     while a chunk's nucleus is found, with top_p < 1). Tokens outside the support
@@ -127,7 +139,17 @@ class _LMHeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, targets, temperature, top_p, chunk_rows, with_entropy, dtype
+        ctx,
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature,
+        top_p,
+        chunk_rows,
+        with_entropy,
+        dtype,
+        keep_logits,
     ):
         n = hidden.shape[0]
         # the head multiplies in `dtype` (autocast's); its gradients go back in the
@@ -139,9 +161,14 @@ class _LMHeadLogProbs(torch.autograd.Function):
         lse = hidden.new_empty(n, dtype=torch.float32)  # (M,) over the support
         mean_z = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)  # (M,) E_p[z]
         threshold = hidden.new_empty(n if top_p < 1 else 0, dtype=torch.float32)  # (M,)
+        kept = None  # float32 logits are modified in place: only a low-precision copy is kept
+        if keep_logits and dtype != torch.float32:
+            if n * weight.shape[0] * weight.element_size() <= KEPT_LOGITS_BYTES:
+                kept = hidden.new_empty(n, weight.shape[0], dtype=dtype)  # (M, V)
         for s in range(0, n, chunk_rows):
             rows = slice(s, s + chunk_rows)
-            z = _chunk_logits(hidden[rows], weight, bias, temperature)  # (c, V)
+            out = None if kept is None else kept[rows]
+            z = _chunk_logits(hidden[rows], weight, bias, temperature, out)  # (c, V)
             picked = z.gather(1, targets[rows, None]).squeeze(1)  # (c,)
             outside = None
             if top_p < 1:
@@ -160,7 +187,7 @@ class _LMHeadLogProbs(torch.autograd.Function):
             if with_entropy:  # E_p[z] = Σ e·(z - max) / Σ e + max, one batched dot per row
                 dots = torch.bmm(e[:, None, :], shifted[:, :, None]).view(-1)  # (c,)
                 mean_z[rows] = dots / total + row_max
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z, threshold)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z, threshold, kept)
         ctx.temperature, ctx.chunk_rows, ctx.with_entropy = temperature, chunk_rows, with_entropy
         entropy = lse - mean_z if with_entropy else hidden.new_zeros(n, dtype=torch.float32)
         ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
@@ -168,7 +195,7 @@ class _LMHeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, targets, lse, mean_z, threshold = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, mean_z, threshold, kept = ctx.saved_tensors
         temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -192,7 +219,10 @@ class _LMHeadLogProbs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk_rows):
             rows = slice(s, s + chunk_rows)
             h = hidden[rows]  # (c, H)
-            z = _chunk_logits(h, weight, bias, temperature)  # (c, V)
+            if kept is None:
+                z = _chunk_logits(h, weight, bias, temperature)  # (c, V)
+            else:
+                z = _float_logits(kept[rows], temperature)
             outside = (
                 outside_support(z, threshold[rows], targets[rows]) if threshold.numel() else None
             )
@@ -230,7 +260,7 @@ class _LMHeadLogProbs(torch.autograd.Function):
         weight_dtype, bias_dtype = ctx.param_dtypes
         grad_w = grad_w.to(weight_dtype) if need_w else None
         grad_b = grad_b.to(bias_dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def lm_head_token_logprobs(
@@ -256,7 +286,8 @@ def lm_head_token_logprobs(
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         hidden = hidden.to(dtype)
-    options = (float(temperature), float(top_p), chunk_rows, with_entropy, dtype)
+    keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    options = (float(temperature), float(top_p), chunk_rows, with_entropy, dtype, keep)
     with torch.autocast(device_type, enabled=False):
         logprobs, entropy = _LMHeadLogProbs.apply(hidden, weight, bias, targets, *options)
     return logprobs, entropy if with_entropy else None
