@@ -259,8 +259,10 @@ def plot(table: dict, path: Path, title: str) -> Path:
     fig, (curves, finals) = plt.subplots(
         1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]}
     )
+    means, finals_seen = [], []
     for i, (name, row) in enumerate(table.items()):
         points = [(s + 1, b) for s, b in enumerate(row["reward_band"]) if b["mean"] is not None]
+        means += [b["mean"] for _, b in points]
         steps = [s for s, _ in points]
         (line,) = curves.plot(steps, [b["mean"] for _, b in points], label=name, lw=1.2)
         low = [b["low"] if b["low"] is not None else b["mean"] for _, b in points]
@@ -270,6 +272,12 @@ def plot(table: dict, path: Path, title: str) -> Path:
         if final["mean"] is not None:
             err = final["half_width"] or 0.0
             finals.errorbar([final["mean"]], [i], xerr=[err], fmt="o", color=line.get_color())
+            finals_seen.append(final["mean"])
+    # the axes follow the means: a few seeds' t intervals can be wider than the reward range
+    if means:
+        curves.set_ylim(min(means) - 0.15, max(means) + 0.15)
+    if finals_seen:
+        finals.set_xlim(min(finals_seen) - 0.3, max(finals_seen) + 0.3)
     curves.set(xlabel="step", ylabel="training reward (mean of the batch)", title=title)
     curves.legend(fontsize=7)
     finals.set_yticks(range(len(table)), list(table), fontsize=7)
