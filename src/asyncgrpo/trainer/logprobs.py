@@ -199,68 +199,95 @@ class _LMHeadLogProbs(torch.autograd.Function):
         temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        head = _HeadWeightGradient(hidden, weight, chunk_rows) if need_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
         use_entropy = ctx.with_entropy and grad_entropy is not None
-        # a low-precision head's weight gradient: chunks' logit gradients gather in one
-        # buffer, one matmul per buffer, then one float32 add (per chunk, the float copy
-        # and add of a (V, H) product cost as much as the matmul on a CPU)
-        buffer = None
-        if need_w and weight.dtype != torch.float32:
-            rows_fit = HEAD_GRAD_BUFFER_BYTES // (weight.shape[0] * hidden.element_size())
-            buffer = hidden.new_empty(
-                min(hidden.shape[0], max(rows_fit, chunk_rows)), weight.shape[0]
-            )
-        held = 0  # first row of `hidden` whose logit gradient the buffer holds
-
-        def flush(end: int) -> None:
-            grad_w.add_((buffer[: end - held].t() @ hidden[held:end]).float())
-
         for s in range(0, hidden.shape[0], chunk_rows):
             rows = slice(s, s + chunk_rows)
-            h = hidden[rows]  # (c, H)
             if kept is None:
-                z = _chunk_logits(h, weight, bias, temperature)  # (c, V)
+                z = _chunk_logits(hidden[rows], weight, bias, temperature)  # (c, V)
             else:
                 z = _float_logits(kept[rows], temperature)
-            outside = (
-                outside_support(z, threshold[rows], targets[rows]) if threshold.numel() else None
+            grad_z = _logit_gradient(
+                z,
+                lse[rows],
+                targets[rows],
+                threshold[rows] if threshold.numel() else None,
+                grad_logprobs[rows],
+                (mean_z[rows], grad_entropy[rows]) if use_entropy else None,
             )
-            shifted = torch.sub(z, lse[rows, None]) if use_entropy else z.sub_(lse[rows, None])
-            p = shifted.exp_()  # (c, V) softmax on the support; z survives only for entropy
-            if outside is not None:
-                p.masked_fill_(outside, 0.0)
-            g_lp = grad_logprobs[rows, None]  # (c, 1)
-            # d logp_t/dz = onehot(t) - p ;  d H/dz = -p (z - E_p[z])
-            # => grad_z = onehot(t) g_lp - p (g_lp + g_ent (z - E_p[z]))
-            if use_entropy:
-                factor = z.sub_(mean_z[rows, None]).mul_(grad_entropy[rows, None]).add_(g_lp)
-                grad_z = p.mul_(factor).neg_()
-            else:
-                del z
-                grad_z = p.mul_(-g_lp)
-            grad_z.scatter_add_(1, targets[rows, None], g_lp)
             if temperature != 1.0:
                 grad_z.div_(temperature)
-            if buffer is None:
-                grad_logits = grad_z.to(hidden.dtype)  # (c, V)
-            else:
-                if s + len(h) - held > len(buffer):
-                    flush(s)
-                    held = s
-                grad_logits = buffer[s - held : s - held + len(h)].copy_(grad_z)  # (c, V)
+            grad_logits = grad_z.to(hidden.dtype) if head is None else head.add(grad_z, s)
             if need_h:
                 torch.mm(grad_logits, weight, out=grad_h[rows])
-            if need_w and buffer is None:
-                grad_w.addmm_(grad_logits.t(), h)
             if need_b:
                 grad_b += grad_logits.float().sum(0)
-        if buffer is not None:
-            flush(hidden.shape[0])
         weight_dtype, bias_dtype = ctx.param_dtypes
-        grad_w = grad_w.to(weight_dtype) if need_w else None
+        grad_w = head.result().to(weight_dtype) if need_w else None
         grad_b = grad_b.to(bias_dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def _logit_gradient(z, lse, targets, threshold, g_lp, entropy) -> torch.Tensor:
+    """(c, V) float32 gradient of a chunk's loss with respect to its logits / T, from the
+    chunk's float logits `z` (used up), its rows' logsumexp, targets and nucleus threshold
+    (None: the whole vocabulary), the log-probs' gradient, and (E_p[z], the entropies'
+    gradient) when the entropies have one."""
+    outside = outside_support(z, threshold, targets) if threshold is not None else None
+    shifted = torch.sub(z, lse[:, None]) if entropy else z.sub_(lse[:, None])
+    p = shifted.exp_()  # (c, V) softmax on the support; z survives only for entropy
+    if outside is not None:
+        p.masked_fill_(outside, 0.0)
+    g_lp = g_lp[:, None]  # (c, 1)
+    # d logp_t/dz = onehot(t) - p ;  d H/dz = -p (z - E_p[z])
+    # => grad_z = onehot(t) g_lp - p (g_lp + g_ent (z - E_p[z]))
+    if entropy:
+        mean_z, g_ent = entropy
+        factor = z.sub_(mean_z[:, None]).mul_(g_ent[:, None]).add_(g_lp)
+        grad_z = p.mul_(factor).neg_()
+    else:
+        grad_z = p.mul_(-g_lp)
+    return grad_z.scatter_add_(1, targets[:, None], g_lp)
+
+
+class _HeadWeightGradient:
+    """The head's weight gradient, accumulated in float32 over the chunks.
+
+    A low-precision head's chunk logit gradients gather in one buffer (up to
+    `HEAD_GRAD_BUFFER_BYTES`): one matmul per buffer, then one float32 add. Per chunk, the
+    float copy and add of a (V, H) product cost as much as the matmul on a CPU."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, chunk_rows: int):
+        self.hidden = hidden
+        self.grad = torch.zeros_like(weight, dtype=torch.float32)  # (V, H)
+        self.buffer = None
+        if weight.dtype != torch.float32:
+            rows_fit = HEAD_GRAD_BUFFER_BYTES // (weight.shape[0] * hidden.element_size())
+            rows = min(hidden.shape[0], max(rows_fit, chunk_rows))
+            self.buffer = hidden.new_empty(rows, weight.shape[0])  # (rows, V)
+        self.held = 0  # first row of `hidden` whose logit gradient the buffer holds
+
+    def add(self, grad_z: torch.Tensor, start: int) -> torch.Tensor:
+        """Take the (c, V) float32 logit gradient of rows `start`..; it in the head's dtype."""
+        rows = slice(start, start + grad_z.shape[0])
+        if self.buffer is None:
+            grad_logits = grad_z.to(self.hidden.dtype)
+            self.grad.addmm_(grad_logits.t(), self.hidden[rows])
+            return grad_logits
+        if rows.stop - self.held > len(self.buffer):
+            self._flush(start)
+        return self.buffer[start - self.held : rows.stop - self.held].copy_(grad_z)
+
+    def result(self) -> torch.Tensor:
+        self._flush(self.hidden.shape[0])
+        return self.grad
+
+    def _flush(self, end: int) -> None:
+        if self.buffer is not None and end > self.held:
+            held = self.buffer[: end - self.held]  # (rows, V)
+            self.grad.add_((held.t() @ self.hidden[self.held : end]).float())
+        self.held = end
 
 
 def lm_head_token_logprobs(
