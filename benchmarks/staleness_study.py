@@ -282,7 +282,7 @@ def score(runs: list[Run], args) -> None:
         for run, per_prompt in zip(members, scores[1:], strict=True):
             write_result(run, args, scores[0], per_prompt)
         if not args.keep_weights:
-            drop_weights({r.cell.name: r.run_dir for r in members})
+            drop_weights({f"{r.cell.name}/{r.name}": r.run_dir for r in members})
 
 
 def write_result(run: Run, args, initial: list[float], final: list[float]) -> None:
