@@ -25,7 +25,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from end_to_end import run_asyncgrpo  # benchmarks/ is on sys.path
+from end_to_end import drop_weights, run_asyncgrpo  # benchmarks/ is on sys.path
 
 from asyncgrpo.plan import predict
 from asyncgrpo.plan.calibrate import calibrate
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             run_asyncgrpo(
                 args.recipe, args.out, slug(name), staleness, 3600.0, [*every, *extra], args.steps
             )
+            drop_weights({name: run_dir})  # the final checkpoint: 1.6 GB for SmolLM2
         dirs[name] = run_dir
     costs, lengths, base = calibrate(dirs[CALIBRATION])
     if args.shared_cores > 0:

@@ -273,6 +273,7 @@ def test_plan_against_runs(tmp_path, tiny_recipe):
     assert all(r["measured_samples_per_s"] > 0 and r["predicted_samples_per_s"] > 0 for r in rows)
     config = (out / "plan-two-engine-replicas" / "config.yaml").read_text()
     assert "replicas: 2" in config
+    assert not list(out.glob("*/checkpoints"))  # dropped after each run
 
 
 def test_ray_launcher_local(tmp_path, tiny_recipe):
