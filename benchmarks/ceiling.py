@@ -37,13 +37,16 @@ def matmul_tflops(m: int, k: int, n: int, dtype, device: torch.device, repeats: 
     return 2 * m * k * n / statistics.median(times) / 1e12
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def linear_weights(config) -> tuple[int, int]:
     """(weights of the decoder's linear layers, weights of the LM head) of a Llama-style
     transformers config."""
     hidden, inter = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q_dim = config.num_attention_heads * head_dim
-    kv_dim = config.num_key_value_heads * head_dim
+    q_dim = config.num_attention_heads * head_dim(config)
+    kv_dim = config.num_key_value_heads * head_dim(config)
     per_layer = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * inter
     return config.num_hidden_layers * per_layer, config.vocab_size * hidden
 
@@ -54,8 +57,7 @@ def generation_flops(config, prompt_lengths: list[int], samples: int, mean_lengt
     prefill, once, yields the first token; each later token takes one decode input, and
     the last generated token is never an input."""
     body, head = linear_weights(config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attend = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim
+    attend = 4 * config.num_hidden_layers * config.num_attention_heads * head_dim(config)
     n = mean_length
     total = 0.0
     for p in prompt_lengths:

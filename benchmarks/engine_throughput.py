@@ -291,14 +291,12 @@ def _percent(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
-def ceilings(args, model_dir: str) -> dict[str, dict]:
+def ceilings(args, config) -> dict[str, dict]:
     """Per workload, the matmul rate at a decode step's shape on `--threads` threads."""
     import torch
     from ceiling import matmul_tflops  # benchmarks/ is on sys.path
-    from transformers import AutoConfig
 
     torch.set_num_threads(args.threads)
-    config = AutoConfig.from_pretrained(model_dir)
     out = {}
     for work in args.workloads:
         rows = work.prompts * work.samples
@@ -311,11 +309,9 @@ def ceilings(args, model_dir: str) -> dict[str, dict]:
     return out
 
 
-def add_mfu(results: list[Result], ceiling: dict, args, model_dir: str, prompts) -> None:
+def add_mfu(results: list[Result], ceiling: dict, args, config, prompts) -> None:
     from ceiling import generation_flops
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
     works = {w.name: w for w in args.workloads}
     for r in results:
         work = works[r.workload]
@@ -393,8 +389,11 @@ def run(parser: argparse.ArgumentParser, args, model_dir: str) -> int:
         else:
             results += bench_generate(system, args, model_dir, prompts, eos_id)
 
-    ceiling = ceilings(args, model_dir)
-    add_mfu(results, ceiling, args, model_dir, prompts)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    ceiling = ceilings(args, config)
+    add_mfu(results, ceiling, args, config, prompts)
     text, ratios = table(results)
     print("\n" + text)
     for name, c in ceiling.items():

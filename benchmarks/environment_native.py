@@ -98,10 +98,15 @@ async def trl_rollout(task: dict, llm: LLM) -> Result:
 
 
 def _guess_tool() -> dict[str, Any]:
-    from asyncgrpo.environments.openenv import action_tool
-    from examples.openenv_guess import GuessAction
+    """The `guess` tool's schema as the adapter shows it, and the adapter's checker of its
+    calls: built once per run (`configure` clears them)."""
+    if "guess_tool" not in SETTINGS:
+        from asyncgrpo.environments.openenv import ActionChecker, action_tool
+        from examples.openenv_guess import GuessAction
 
-    return action_tool(GuessAction.model_json_schema())  # the schema the adapter shows
+        tool = action_tool(GuessAction.model_json_schema())
+        SETTINGS.update(guess_tool=tool, guess_checker=ActionChecker(tool))
+    return SETTINGS["guess_tool"]
 
 
 def _opening(task: dict, observation: str) -> list[dict]:
@@ -120,11 +125,10 @@ def _opening(task: dict, observation: str) -> list[dict]:
 def _guess(env: Any, call: Any) -> tuple[Any, str | None]:
     """The step's observation, or the error text the model reads (decoded by the
     adapter's own checker, so both ways answer a bad call with the same message)."""
-    from asyncgrpo.environments.openenv import ActionChecker
     from examples.openenv_guess import GuessAction
 
-    checker = SETTINGS.setdefault("guess_checker", ActionChecker(SETTINGS["guess_tool"]))
-    arguments, problem = checker.action(call)
+    _guess_tool()
+    arguments, problem = SETTINGS["guess_checker"].action(call)
     if problem is not None:
         return None, problem
     return env.step(GuessAction(**arguments)), None
@@ -134,7 +138,7 @@ async def openenv_rollout(task: dict, llm: LLM) -> Result:
     """reset(seed), then one step per `guess` call, rewards summed until done."""
     from examples.openenv_guess import GuessEnvironment
 
-    tool = SETTINGS.setdefault("guess_tool", _guess_tool())
+    tool = _guess_tool()
     env = GuessEnvironment()
     first = env.reset(**{k: v for k, v in task.items() if k != "prompt"})
     messages = _opening(task, first.message)

@@ -25,7 +25,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from end_to_end import drop_weights, run_asyncgrpo  # benchmarks/ is on sys.path
+from e2e_report import read_metrics  # benchmarks/ is on sys.path
+from end_to_end import drop_weights, run_asyncgrpo
 
 from asyncgrpo.plan import predict
 from asyncgrpo.plan.calibrate import calibrate
@@ -47,9 +48,8 @@ CALIBRATION = "staleness 1 (calibration run)"
 
 
 def measured(run_dir: Path, from_step: int, samples_per_step: int) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r.get("kind", "train") == "train" and "time_s" in r]
-    by_step = {r["step"]: r for r in rows}
+    train, _ = read_metrics(run_dir)
+    by_step = {r["step"]: r for r in train}
     last = max(by_step)
     if from_step - 1 not in by_step or last <= from_step:
         raise SystemExit(f"{run_dir}: too few steps for a steady state from step {from_step}")

@@ -48,7 +48,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from ceiling import matmul_tflops, synchronize  # benchmarks/ is on sys.path
+from ceiling import head_dim, linear_weights, matmul_tflops, synchronize  # benchmarks/ on sys.path
 
 RESULTS = Path(__file__).parent / "results" / "trainer_speed.json"
 SYSTEMS = ("asyncgrpo", "padded")
@@ -131,14 +131,8 @@ def make_groups(args, vocab: int, seed: int):
 def minimal_flops(model, groups) -> float:
     """The FLOPs a training step on `groups` needs at least (module docstring)."""
     cfg = model.config
-    head = model.get_output_embeddings().weight.numel()
-    body = sum(
-        m.weight.numel()
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head")
-    )
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q_dim = cfg.num_attention_heads * head_dim
+    body, head = linear_weights(cfg)
+    q_dim = cfg.num_attention_heads * head_dim(cfg)
     inputs = head_rows = pairs = 0
     for group in groups:
         prompt = len(group.rollouts[0].prompt_ids)
