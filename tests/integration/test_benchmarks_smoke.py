@@ -69,6 +69,19 @@ def test_trainer_speed(tmp_path):
     assert "By input shape" in profile.read_text()
 
 
+def test_attention_probe(tmp_path):
+    out = tmp_path / "attention_probe.json"
+    run_benchmark_here(
+        "attention_probe.py",
+        *("--shape", "tiny", "--threads", "1", "--groups", "3", "--group-size", "3"),
+        *("--micro-batch-tokens", "600", "--repeats", "1", "--out", str(out)),
+    )
+    rows = read_json(out)["rows"]
+    assert set(rows) == {"mask", "segments"}  # the varlen rows need a GPU
+    assert all(r["forward_backward_ms"] > r["forward_ms"] > 0 for r in rows.values())
+    assert rows["segments"]["max_diff_vs_mask"] < 1e-5
+
+
 def test_server_load(tmp_path):
     out = tmp_path / "server_load.json"
     run_benchmark_here(

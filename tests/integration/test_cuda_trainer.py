@@ -131,9 +131,20 @@ def test_varlen_kernel_on_the_gpu_equals_the_block_mask_attention():
         torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=2e-2)
 
 
-def test_bf16_trainer_with_varlen_attention_has_the_mask_gradients(tmp_path):
-    """Under bf16 autocast, `trainer.attention: varlen` gives the first gradients of the
-    dense-mask path to bf16 precision."""
+def test_bf16_trainer_with_varlen_attention_has_the_mask_gradients(tmp_path, monkeypatch):
+    """Under bf16 autocast, `trainer.attention: varlen` runs the varlen kernel (not the
+    per-segment fallback) and gives the first gradients of the dense-mask path to bf16
+    precision."""
+    from asyncgrpo.trainer import packing
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return varlen_attention(*args, **kwargs)
+
+    varlen_attention = packing.varlen_attention
+    monkeypatch.setattr(packing, "varlen_attention", counted)
     model_dir = save_tiny_model_dir(tmp_path / "model")
     trainers = {}
     for attention in ("varlen", "mask"):
@@ -146,6 +157,7 @@ def test_bf16_trainer_with_varlen_attention_has_the_mask_gradients(tmp_path):
         trainers[attention] = policy_trainer(cfg, load_policy(cfg, str(model_dir)))
     data = batches()[0]
     varlen_grads = first_gradients(trainers["varlen"], data)
+    assert calls, "the varlen trainer never called the varlen kernel"
     mask_grads = first_gradients(trainers["mask"], data)
     for name, want in mask_grads.items():
         error = float((varlen_grads[name] - want).norm() / want.norm())

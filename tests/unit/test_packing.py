@@ -204,3 +204,15 @@ def test_packed_forward_under_bf16_autocast_stays_close_to_fp32(models):
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, w, atol=0.15, rtol=0.05)
+
+
+def test_auto_attention_is_segments_on_a_cpu_and_varlen_only_where_its_kernel_runs():
+    from asyncgrpo.config import TrainerConfig
+
+    on = TrainerConfig(bf16_autocast=True)
+    off = TrainerConfig(bf16_autocast=False)
+    assert on.attention_for("cpu", varlen_kernel=True) == "segments"
+    assert on.attention_for("cuda", varlen_kernel=True) == "varlen"
+    assert on.attention_for("cuda", varlen_kernel=False) == "mask"  # old torch: no kernel
+    assert off.attention_for("cuda", varlen_kernel=True) == "mask"  # fp32 activations
+    assert TrainerConfig(attention="mask").attention_for("cuda", varlen_kernel=True) == "mask"

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncgrpo.trainer import varlen
-from asyncgrpo.trainer.packing import pack_sequences
+from asyncgrpo.trainer.packing import pack_sequences, packed_attention_forward
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -105,3 +105,53 @@ def test_layout_puts_each_prompt_in_front_of_its_completions():
     # each packed row's output: the prompt's from its own sequence, a completion's from
     # the tail of its sequence
     assert layout.scatter.tolist() == [0, 1, 2, 6, 10, 11, 12]
+
+
+def test_float32_queries_under_autocast_take_the_varlen_kernel_in_the_autocast_dtype(monkeypatch):
+    """RoPE hands attention float32 queries under bf16 autocast; the packed forward must
+    still call the varlen kernel (in bf16, as sdpa would attend), not the per-segment
+    fallback, which is what it did before."""
+    calls = []
+
+    def recording_kernel(
+        q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+    ):
+        calls.append(q.dtype)
+        q, k, v = q.float(), k.float(), v.float()
+        out = new_signature(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            scale=scale,
+            window_size=window_size,
+            enable_gqa=enable_gqa,
+        )
+        return out.to(torch.bfloat16)
+
+    module = types.ModuleType("torch.nn.attention.varlen")
+    module.varlen_attn = recording_kernel
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", module)
+    varlen._parameters.cache_clear()
+    packed = shared_prompt_batch()
+    n = packed.input_ids.shape[1]
+    g = torch.Generator().manual_seed(2)
+    query, key, value = (
+        torch.randn(1, h, n, DIM, generator=g) for h in (HEADS, KV_HEADS, KV_HEADS)
+    )
+    layout = varlen.varlen_layout(packed.segments, torch.device("cpu"))
+    forward = dict(packed_segments=packed.segments, packed_varlen=layout, scaling=None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = packed_attention_forward(None, query, key, value, None, **forward)
+    assert calls == [torch.bfloat16] and got.dtype == torch.bfloat16
+    want = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=packed.block_mask(), enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+    calls.clear()
+    packed_attention_forward(None, query, key, value, None, **forward)  # no autocast: fp32
+    assert calls == [], "float32 attention outside autocast must not be rounded to half"
+    varlen._parameters.cache_clear()

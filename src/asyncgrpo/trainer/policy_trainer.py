@@ -56,6 +56,7 @@ from asyncgrpo.trainer.datums import (
 from asyncgrpo.trainer.grpo_loss import PADDING, grpo_datums, grpo_loss
 from asyncgrpo.trainer.packing import enable_packed_attention, packed_token_logprobs, pad_ragged
 from asyncgrpo.trainer.reference import make_reference
+from asyncgrpo.trainer.varlen import varlen_available
 
 
 def lr_lambda(trainer: TrainerConfig, max_steps: int):
@@ -123,7 +124,7 @@ class PolicyTrainer:
         self.max_completion_length = max_completion_length
         self.device = next(model.parameters()).device
         self.bf16_autocast = trainer.use_bf16_autocast(self.device.type)
-        self.attention = trainer.attention_for(self.device.type)
+        self.attention = trainer.attention_for(self.device.type, varlen_available())
         enable_packed_attention(model)
         # the KL's reference is the policy as given, before any step (see reference.py)
         self.reference = make_reference(model) if loss.beta > 0 else None

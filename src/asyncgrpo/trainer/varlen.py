@@ -15,16 +15,17 @@ causal alignment is unambiguous), and the segment's outputs are the tail of its
 sequence. The prompt's own rows come from the prompt's segment; the copies gathered in
 front of each completion compute P² extra scores each and are discarded.
 
-Not yet auto's choice: exact (the GPU tests compare it with the dense mask), but on an
-H100 with torch 2.11 the Qwen2.5-0.5B step took 7.2 s against the mask's 2.5 s. Some
-torch releases send `varlen_attn` to cuDNN unconditionally on Hopper, and cuDNN plans
-every new shape on the CPU (as it does for sdpa, see `packing.py`): the likely cause, not
-yet confirmed. The call now runs inside the sdpa backend choice that excludes cuDNN,
-which newer releases honour; a profile on a GPU decides.
+`trainer.attention: auto` picks it on a GPU under autocast. Measured on an H100
+(`benchmarks/trainer_speed.py`, Qwen2.5-0.5B's shape, 16,384-token micro-batches, one
+call): a step took 1.15 s against the dense mask's 2.49 s; the attention alone
+(`benchmarks/attention_probe.py`) 1.8 ms forward + backward per layer against the
+per-segment sdpa's 99 ms.
 
-The kernel takes fp16 or bf16 only: fp32 activations (no autocast) go to the per-segment
-sdpa path instead. Older torch releases name causality `is_causal` and take neither
-`scale` nor grouped KV heads; `_varlen_call` adapts.
+The kernel takes fp16 or bf16 only. Under autocast the queries arrive in float32 (RoPE)
+and are cast to the autocast dtype, as sdpa would; fp32 activations without autocast go
+to the per-segment sdpa path instead (`varlen_dtype`). Older torch releases name
+causality `is_causal` and take neither `scale` nor grouped KV heads; `_varlen_call`
+adapts.
 """
 
 from __future__ import annotations
@@ -54,6 +55,22 @@ def varlen_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def varlen_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The half dtype the varlen kernel runs `query`'s attention in, or None (float32
+    attention outside autocast, which the kernel cannot take).
+
+    Under autocast the queries reach attention in float32 (RoPE multiplies the bf16
+    projections by float32 cos/sin) while sdpa would attend in the autocast dtype, so the
+    varlen path casts to it as sdpa does. Checking the queries' own dtype instead sent
+    every autocast step to the per-segment path (the H100 slowdown of stop 36)."""
+    if query.dtype in HALF_DTYPES:
+        return query.dtype
+    device = query.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in HALF_DTYPES:
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 def varlen_layout(segments: Sequence, device: torch.device) -> VarlenLayout:
