@@ -73,7 +73,15 @@ class Channel:
     def replies(self, number: int) -> list[dict]:
         """Each other rank's reply to command `number` (waits up to the collective timeout)."""
         keys = [f"reply/{number}/{rank}" for rank in range(1, self.world.size)]
-        self.world.store.wait(keys, timedelta(seconds=self.world.timeout_s))
+        deadline = time.monotonic() + self.world.timeout_s
+        while True:  # in short waits: a rank killed meanwhile never replies, and the
+            try:  # store (served here) would not notice it before the timeout
+                wait_s = max(0.01, min(POLL_S, deadline - time.monotonic()))
+                self.world.store.wait(keys, timedelta(seconds=wait_s))
+                break
+            except dist.DistStoreError:
+                if self.world.dead_rank() or time.monotonic() >= deadline:
+                    raise
         answers = [decode(self.world.store.get(key)) for key in keys]
         for key in keys:
             self.world.store.delete_key(key)
