@@ -41,6 +41,11 @@ def _mean_of(rows: list[dict], key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _mean_or_none(values: list) -> float | None:
+    finite = [v for v in values if _finite(v)]
+    return statistics.fmean(finite) if finite else None
+
+
 def first_crossing(rewards: list[float | None], threshold: float, window: int) -> int | None:
     """The first step (1-based) whose trailing mean over `window` steps reaches `threshold`."""
     for end in range(window, len(rewards) + 1):
@@ -50,10 +55,41 @@ def first_crossing(rewards: list[float | None], threshold: float, window: int) -
     return None
 
 
+def version_rewards(rows: list[dict], last_version: int) -> list[float | None]:
+    """Training reward by the policy version that sampled it, versions 0..`last_version`.
+
+    Step t's batch was sampled by version t − 1 − `staleness_mean` (the trainer holds
+    version t − 1 when it takes the batch), so an asynchronous run's reward curve lags
+    its policy by its staleness: at staleness 1, step t shows version t − 2. Each row goes
+    to its nearest version; versions with several rows take their mean, versions with
+    none the straight line between their neighbours (None past either end)."""
+    bins: dict[int, list[float]] = {}
+    for r in rows:
+        if _finite(r.get("reward_mean")) and _finite(r.get("staleness_mean")):
+            version = round(r["step"] - 1 - r["staleness_mean"])
+            if 0 <= version <= last_version:
+                bins.setdefault(version, []).append(r["reward_mean"])
+    means = {v: statistics.fmean(values) for v, values in bins.items()}
+    out: list[float | None] = []
+    for v in range(last_version + 1):
+        below = [u for u in means if u <= v]
+        above = [u for u in means if u >= v]
+        if not below or not above:
+            out.append(None)
+            continue
+        lo, hi = max(below), min(above)
+        share = 0.0 if hi == lo else (v - lo) / (hi - lo)
+        out.append(means[lo] + share * (means[hi] - means[lo]))
+    return out
+
+
 def run_summary(train_rows: list[dict], steps: int, threshold: float, window: int = 3) -> dict:
     """The study's numbers for one run from its train rows of steps 1..`steps`.
 
-    `area`: mean training reward (`reward_mean`) over those steps. Time to the threshold:
+    `area`: mean training reward (`reward_mean`) over those steps. `version_area`: mean
+    training reward by sampling version over versions 0..N − 2, the versions a run at
+    staleness 1 samples with (`version_rewards`): the reward of the policy after each
+    number of updates, the per-step learning with the lag taken out. Time to the threshold:
     the first step whose trailing `window`-step mean reward reaches it, and its `time_s`.
     `mismatch_kl` is KL(π_engine‖π_θ) on the step's tokens: kernel mismatch alone at
     realised staleness 0; at staleness exactly 1 it adds the KL between consecutive
@@ -65,6 +101,7 @@ def run_summary(train_rows: list[dict], steps: int, threshold: float, window: in
     out = {
         "steps": len(rows),
         "area": _mean_of(rows, "reward_mean"),
+        "version_area": _mean_or_none(version_rewards(rows, steps - 2)),
         "threshold": threshold,
         "threshold_step": crossed,
         "threshold_time_s": rows[crossed - 1].get("time_s") if crossed else None,
@@ -104,7 +141,10 @@ def cell_table(results: list[dict]) -> dict[str, dict]:
         row = {
             "seeds": [r["seed"] for r in runs],
             "overrides": runs[0]["overrides"],
-            "area": interval([r["summary"]["area"] for r in runs if _finite(r["summary"]["area"])]),
+            **{
+                key: interval([m(r) for r in runs if _finite(m(r))])
+                for key, m in (("area", area_of), ("version_area", version_area_of))
+            },
             "final_held_out": interval([r["held_out_final"] for r in runs]),
             "initial_held_out": statistics.fmean(r["held_out_initial"] for r in runs),
             "wall_s": statistics.fmean(r["wall_s"] for r in runs),
@@ -122,17 +162,22 @@ def area_of(run: dict) -> float | None:
     return run["summary"]["area"]
 
 
+def version_area_of(run: dict) -> float | None:
+    return run["summary"].get("version_area")
+
+
 def final_of(run: dict) -> float | None:
     return run["held_out_final"]
 
 
-METRICS = {"area": area_of, "final_held_out": final_of}
-"""The two numbers the study compares cells on."""
+METRICS = {"area": area_of, "version_area": version_area_of, "final_held_out": final_of}
+"""The numbers the study compares cells on."""
 
 
 def by_seed(results: list[dict], cell: str, metric) -> dict[int, float]:
     """`metric` of `cell`'s first repeat per seed."""
-    return {r["seed"]: metric(r) for r in results if r["cell"] == cell and r["repeat"] == 0}
+    chosen = (r for r in results if r["cell"] == cell and r["repeat"] == 0)
+    return {r["seed"]: metric(r) for r in chosen if _finite(metric(r))}
 
 
 def comparisons(results: list[dict], pairs: list[tuple[str, str]]) -> list[dict]:
@@ -162,9 +207,11 @@ def noise_report(results: list[dict], delta: float = 0.1) -> dict:
             for r in results
             if r["repeat"] > 0 and (r["cell"], r["seed"]) in first
         ]
+        pairs = [(a, b) for a, b in pairs if _finite(a) and _finite(b)]
         by_cell: dict[str, list[float]] = {}
         for (cell, _), r in first.items():
-            by_cell.setdefault(cell, []).append(get(r))
+            if _finite(get(r)):
+                by_cell.setdefault(cell, []).append(get(r))
         run_sd, seed_sd = repeat_sd(pairs), pooled_sd(list(by_cell.values()))
         out[name] = {
             "repeat_pairs": len(pairs),
@@ -177,7 +224,7 @@ def noise_report(results: list[dict], delta: float = 0.1) -> dict:
 
 def add_paired_seeds_needed(noise: dict, diffs: list[dict]) -> None:
     """Seeds needed paired by seed, from the sd of the observed per-seed differences."""
-    for key in ("area", "final_held_out"):
+    for key in METRICS:
         sds = [d[key]["sd"] for d in diffs if d[key].get("sd")]
         if sds and key in noise:
             sd = math.sqrt(statistics.fmean(s * s for s in sds))
@@ -202,19 +249,22 @@ def markdown(stage: str, steps: int, table: dict, diffs: list[dict], noise: dict
     lines = [
         f"### Staleness study, stage `{stage}`: {steps} steps per run",
         "",
-        "Area: mean training reward over steps 1..N. Final: held-out reward at step N "
-        "(greedy, one evaluator, scored after the runs). Means over seeds with 95% t intervals.",
+        "Area: mean training reward over steps 1..N. By version: mean training reward by "
+        "the policy version that sampled it, versions 0..N-2 (the lag taken out). Final: "
+        "held-out reward at step N (greedy, one evaluator, scored after the runs). Means "
+        "over seeds with 95% t intervals.",
         "",
-        "| cell | n | area | final held-out | clip | masked | IS w min/mean/max "
+        "| cell | n | area | by version | final held-out | clip | masked | IS w min/mean/max "
         "| mismatch KL | token staleness mean/max | s/run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in table.items():
         weights = "/".join(
             _num(row[k], ".2f") for k in ("is_weight_min", "is_weight_mean", "is_weight_max")
         )
         lines.append(
-            f"| {name} | {row['area']['n']} | {_ci(row['area'])} | {_ci(row['final_held_out'])} "
+            f"| {name} | {row['area']['n']} | {_ci(row['area'])} | {_ci(row['version_area'])} "
+            f"| {_ci(row['final_held_out'])} "
             f"| {_num(row['clip_ratio'])} | {_num(row['masked_fraction'])} | {weights} "
             f"| {_num(row['mismatch_kl'], '.4f')} | {_num(row['token_staleness_mean'], '.2f')}"
             f"/{_num(row['token_staleness_max'], '.0f')} | {_num(row['wall_s'], '.0f')} |"
@@ -222,13 +272,14 @@ def markdown(stage: str, steps: int, table: dict, diffs: list[dict], noise: dict
     if diffs:
         lines += [
             "",
-            "| cell − reference (paired by seed) | seeds | area | final held-out |",
-            "|---|---|---|---|",
+            "| cell − reference (paired by seed) | seeds | area | by version | final held-out |",
+            "|---|---|---|---|---|",
         ]
         for d in diffs:
             lines.append(
                 f"| {d['cell']} − {d['reference']} | {len(d['area']['seeds'])} "
-                f"| {_ci(d['area'], '+.3f')} | {_ci(d['final_held_out'], '+.3f')} |"
+                f"| {_ci(d['area'], '+.3f')} | {_ci(d['version_area'], '+.3f')} "
+                f"| {_ci(d['final_held_out'], '+.3f')} |"
             )
     lines += [
         "",
@@ -239,7 +290,7 @@ def markdown(stage: str, steps: int, table: dict, diffs: list[dict], noise: dict
         "| metric | repeat pairs | run-to-run sd | seed-to-seed sd | seeds (unpaired) | seeds (paired) |"
     ]
     lines += ["|---|---|---|---|---|---|"]
-    for key in ("area", "final_held_out"):
+    for key in METRICS:
         n = noise.get(key, {})
         lines.append(
             f"| {key} | {n.get('repeat_pairs', 0)} | {_num(n.get('run_sd'))} | {_num(n.get('seed_sd'))} "

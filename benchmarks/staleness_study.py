@@ -309,9 +309,19 @@ def write_result(run: Run, args, initial: list[float], final: list[float]) -> No
     run.result_path.write_text(json.dumps(result, indent=1))
 
 
+def refresh_summary(result: dict, args) -> None:
+    """Recompute a result's summary from its run's metrics, where they are on disk."""
+    run_dir = Path(result["run_dir"])
+    if (run_dir / "metrics.jsonl").exists():
+        threshold = args.threshold or TASKS[result["task"]].threshold
+        result["summary"] = run_summary(read_metrics(run_dir)[0], args.steps, threshold)
+
+
 def report(stage: str, cells: list[Cell], args) -> dict:
     """The stage's JSON, markdown table and figure, from every result on disk."""
     results = [json.loads(p.read_text()) for p in sorted((args.out / "results").rglob("*.json"))]
+    for result in results:  # summaries follow the report's code, not the code that ran
+        refresh_summary(result, args)
     names = {c.name for c in cells}
     mine = [r for r in results if r["cell"] in names]
     table = cell_table(mine)

@@ -129,3 +129,26 @@ def test_noise_report_and_cell_table(report):
     (diff,) = report.comparisons(results, [("a", "b")])
     assert diff["area"]["mean"] == pytest.approx(0.15)  # (0.1 + 0.2) / 2
     assert diff["final_held_out"]["mean"] == pytest.approx(0.0)  # 0.6 - 0.5, 0.8 - 0.9
+
+
+def test_version_rewards_take_the_lag_out(report):
+    """A run at staleness 1 (steps 2.. sampled two versions back) whose policy after v
+    updates earns 0.1·v gives the same per-version curve as a synchronous one."""
+    sync = [{"step": t, "reward_mean": 0.1 * (t - 1), "staleness_mean": 0.0} for t in range(1, 7)]
+    lagged = [{"step": 1, "reward_mean": 0.0, "staleness_mean": 0.0}] + [
+        {"step": t, "reward_mean": 0.1 * (t - 2), "staleness_mean": 1.0} for t in range(2, 7)
+    ]
+    by_version = [0.0, 0.1, 0.2, 0.3, 0.4]
+    assert report.version_rewards(sync, 4) == pytest.approx(by_version)
+    assert report.version_rewards(lagged, 4) == pytest.approx(by_version)
+    # the per-step area charges the lag; the version area does not
+    assert report.run_summary(lagged, 6, 1.0)["area"] < report.run_summary(sync, 6, 1.0)["area"]
+    assert report.run_summary(lagged, 6, 1.0)["version_area"] == pytest.approx(0.2)
+
+
+def test_version_rewards_interpolate_a_gap_and_stop_at_the_ends(report):
+    rows = [
+        {"step": 1, "reward_mean": 0.2, "staleness_mean": 0.0},  # version 0
+        {"step": 4, "reward_mean": 0.8, "staleness_mean": 0.0},  # version 3
+    ]
+    assert report.version_rewards(rows, 4) == pytest.approx([0.2, 0.4, 0.6, 0.8, None])
