@@ -89,7 +89,9 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     micro_batch_tokens: int = Field(4096, ge=16)
-    """Token budget of one packed micro-batch (gradient accumulation splits beyond it)."""
+    """Token budget of one packed micro-batch (gradient accumulation splits beyond it).
+    The default suits a CPU; on a GPU larger is faster while memory lasts (H100,
+    Qwen2.5-0.5B's shape, varlen attention: 1.15 s a step at 16,384, 0.95 s at 32,768)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer's weights, optimizer and forward live. `auto`: a CUDA GPU when
     there is one (rank r takes GPU `LOCAL_RANK` mod the GPUs it sees), else the CPU.
