@@ -124,6 +124,8 @@ FIXES = {
     "warmup": ["trainer.warmup_steps=8"],
     "token-mask": ["loss.correction=token_mask"],  # rejection instead of truncation
     "fp32-engine": ["engine.dtype=float32"],
+    # AReaL's decoupled PPO: the behaviour weight uncapped (the `decoupled` correction)
+    "decoupled": ["loss.name=decoupled_ppo", "loss.correction=none"],
 }
 """Candidate fixes: extra overrides on the staleness-1, lr 3e-5 cell of the recipe's task."""
 

@@ -225,9 +225,9 @@ def test_async_run_bounds_staleness_and_accounts_for_every_group(
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 8
     for e in evals:
         assert e["eval_count"] == 3
-        # the weights that answered are the labelled step's (or the next, if a sync landed)
-        assert e["step"] <= e["eval_weight_version_min"] <= e["eval_weight_version_max"]
-        assert e["eval_weight_version_max"] <= e["step"] + 1
+        # the weights that answered are the labelled step's or later ones: syncs may land
+        # while an evaluation runs (on a loaded machine two landed during step 0's)
+        assert e["step"] <= e["eval_weight_version_min"] <= e["eval_weight_version_max"] <= 8
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert all(m["staleness_max"] <= 2 for m in metrics)
     assert [m["version"] for m in metrics] == list(range(1, 9))
