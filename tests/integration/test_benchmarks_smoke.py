@@ -5,7 +5,8 @@ flags that shrink it to seconds, and check what it wrote, so that a benchmark ca
 unseen (as `trl_baseline.py` did when a helper it imported moved). The vLLM systems run
 in `tests/vllm/test_benchmarks_vllm.py` (`make test-vllm`), the Ray launchers and the
 2-rank trainers in the tests below marked `ray` and `heavy`. `vllm_env.sh` is the
-installer `make test-vllm` runs.
+installer `make test-vllm` runs; `gpu_check.sh` needs a CUDA GPU (a device call runs it,
+and its steps are the scripts tested here).
 """
 
 from __future__ import annotations

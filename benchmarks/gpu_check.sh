@@ -1,0 +1,37 @@
+#!/bin/bash
+# The GPU checks of one short device call (issue 32), in the order that matters if time
+# runs out: the GPU tests, then the trainer against the padded step on Qwen2.5-0.5B's
+# shape. Run from the repository root on a machine with one CUDA GPU and torch,
+# transformers and pytest installed; writes every table and JSON under $OUT (default
+# ./gpu_out). About 4 minutes on an H100, start-up not counted.
+#
+#     OUT=/tmp/gpu bash benchmarks/gpu_check.sh
+#
+# The device machines of this project lack a few pure-Python packages; wheels placed in
+# .whl/ (git-ignored) are installed first when present.
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >/dev/null 2>&1
+    export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-}
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+
+timeout 150 python3 -m pytest -q -m gpu tests/integration/test_cuda_trainer.py \
+    -p no:cacheprovider 2>&1 | tail -3
+
+speed() {  # name, then trainer_speed.py arguments
+    local name=$1
+    shift
+    timeout 90 python3 benchmarks/trainer_speed.py --device cuda --groups 32 --group-size 8 \
+        --warmup 2 --steps 4 --out "$OUT/$name.json" "$@" 2>&1 | grep -v "^  step" | tail -3
+}
+speed qwen16k-varlen --shape qwen2.5-0.5b --micro-batch-tokens 16384 --attention varlen
+speed qwen32k-varlen --shape qwen2.5-0.5b --micro-batch-tokens 32768 --attention varlen \
+    --systems asyncgrpo
+speed qwen16k-mask --shape qwen2.5-0.5b --micro-batch-tokens 16384 --attention mask \
+    --systems asyncgrpo
+timeout 60 python3 benchmarks/attention_probe.py --device cuda --out "$OUT/attention_probe.json"
