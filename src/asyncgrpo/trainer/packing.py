@@ -22,8 +22,9 @@ segment layout as a forward kwarg and calls sdpa once per segment (`is_causal`
 for a plain sequence; a small (C, P+C) mask for a completion behind a shared
 prompt), so the work is Σ Lᵢ² rather than N². The CPU has no flash-attn varlen
 kernel; this is its equivalent. `benchmarks/train_step_packing.py` measures both.
-`trainer.attention` chooses: the segments on a CPU, the dense mask on a GPU, where one
-kernel per layer beats many small ones (5× on an H100, `benchmarks/README.md`).
+`trainer.attention` chooses: the segments on a CPU; on a GPU, where one kernel per layer
+beats many small ones, flash attention's variable-length kernel (`varlen.py`) under
+autocast, else the dense mask (`benchmarks/README.md`).
 Without the packing kwarg the function is plain sdpa, so the model keeps
 working for ordinary padded forwards.
 
