@@ -28,24 +28,14 @@ from pathlib import Path
 
 import torch
 from ceiling import head_dim, synchronize  # benchmarks/ on sys.path
-from trainer_speed import make_groups, model_config
+from trainer_speed import add_batch_arguments, make_groups, model_config
 
 RESULTS = Path(__file__).parent / "results" / "attention_probe.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--shape", choices=["smollm2-135m", "qwen2.5-0.5b", "tiny"], default="qwen2.5-0.5b"
-    )
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
-    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
-    ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--completion-min", type=int, default=32)
-    ap.add_argument("--completion-max", type=int, default=256)
+    add_batch_arguments(ap, shape="qwen2.5-0.5b", micro_batch_tokens=16384, groups=32)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--profile", type=Path, help="write the varlen path's operator table here")
     ap.add_argument("--out", type=Path, default=RESULTS)

@@ -54,21 +54,25 @@ RESULTS = Path(__file__).parent / "results" / "trainer_speed.json"
 SYSTEMS = ("asyncgrpo", "padded")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--shape", choices=["smollm2-135m", "qwen2.5-0.5b", "tiny"], default="smollm2-135m"
-    )
+def add_batch_arguments(ap, shape="smollm2-135m", micro_batch_tokens=4096, groups=4) -> None:
+    """The model shape, device and GRPO batch options (`make_groups`), shared with
+    `attention_probe.py`."""
+    ap.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-0.5b", "tiny"], default=shape)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--attention", choices=["auto", "segments", "varlen", "mask"], default="auto")
-    ap.add_argument("--micro-batch-tokens", type=int, default=4096)
-    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--micro-batch-tokens", type=int, default=micro_batch_tokens)
+    ap.add_argument("--groups", type=int, default=groups)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--completion-min", type=int, default=32)
     ap.add_argument("--completion-max", type=int, default=256)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_batch_arguments(ap)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--attention", choices=["auto", "segments", "varlen", "mask"], default="auto")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per system")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per system first")
     ap.add_argument("--profile", type=Path, help="write a profile of one asyncgrpo step here")

@@ -238,8 +238,8 @@ def packed_attention_forward(
     if query.shape[0] != 1:
         raise ValueError("a packed forward takes a single row")
     with _sdpa_kernels(query.device):
-        half = varlen_dtype(query)
-        if packed_varlen is not None and half is not None and dropout == 0.0:
+        half = varlen_dtype(query) if packed_varlen is not None else None
+        if half is not None and dropout == 0.0:
             query, key, value = (t.to(half) for t in (query, key, value))
             return varlen_attention(query, key, value, packed_varlen, scaling).contiguous(), None
         out = _attend_segments(query, key, value, packed_segments, dropout, scaling)
