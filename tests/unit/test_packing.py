@@ -216,3 +216,23 @@ def test_auto_attention_is_segments_on_a_cpu_and_varlen_only_where_its_kernel_ru
     assert on.attention_for("cuda", varlen_kernel=False) == "mask"  # old torch: no kernel
     assert off.attention_for("cuda", varlen_kernel=True) == "mask"  # fp32 activations
     assert TrainerConfig(attention="mask").attention_for("cuda", varlen_kernel=True) == "mask"
+
+
+def test_cpu_segment_attention_stays_float32_under_bf16_autocast():
+    """CPU autocast would round sdpa's inputs to bf16 (and its backward ran ~3x slower);
+    the segments must attend in float32: float32 error against a float64 reference."""
+    from asyncgrpo.trainer.packing import packed_attention_forward
+
+    seqs, prompts = grpo_like_batch()
+    packed = pack_sequences(seqs, prompts)
+    n, heads, kv_heads, dim = packed.input_ids.shape[1], 4, 2, 16
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, n, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    allowed = packed.block_mask()[0, 0]  # (N, N)
+    scores = q[0].double() @ k[0].double().repeat_interleave(2, 0).transpose(1, 2) / dim**0.5
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # (H, N, N)
+    want = (weights @ v[0].double().repeat_interleave(2, 0)).transpose(0, 1)  # (N, H, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = packed_attention_forward(None, q, k, v, None, packed_segments=packed.segments)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got[0].double(), want, atol=1e-5, rtol=1e-5)

@@ -46,7 +46,6 @@ import torch.nn.functional as F
 
 from asyncgrpo.trainer.logprobs import DEFAULT_CHUNK_ROWS, lm_head_token_logprobs
 from asyncgrpo.trainer.varlen import (
-    HALF_DTYPES,
     VarlenLayout,
     varlen_attention,
     varlen_available,
@@ -260,12 +259,20 @@ def _sdpa_kernels(device: torch.device):
 def _attend_segments(query, key, value, packed_segments, dropout, scaling) -> torch.Tensor:
     """(1, Hq, N, D): sdpa over each segment, a completion's keys behind its prompt's.
 
-    On a CPU the segments attend in float32: torch's CPU flash kernel converts half
-    inputs block by block and runs ~1.3-1.6x slower on them than on float32 ones
-    (`benchmarks/README.md`, trainer on CPU); the casts are N x D per head, small."""
+    On a CPU the segments attend in float32 with autocast off: CPU autocast would cast
+    sdpa's inputs to bf16, and torch's CPU flash kernel converts half inputs block by
+    block; its backward on bf16 segments ran ~3x slower than on float32 ones
+    (`benchmarks/README.md`, trainer on CPU). The casts are N x D per head, small."""
     dtype = query.dtype
-    if query.device.type == "cpu" and dtype in HALF_DTYPES:
+    if query.device.type != "cpu":
+        return _sdpa_segments(query, key, value, packed_segments, dropout, scaling).to(dtype)
+    with torch.autocast("cpu", enabled=False):
         query, key, value = query.float(), key.float(), value.float()
+        out = _sdpa_segments(query, key, value, packed_segments, dropout, scaling)
+    return out.to(dtype)
+
+
+def _sdpa_segments(query, key, value, packed_segments, dropout, scaling) -> torch.Tensor:
     gqa = query.shape[1] != key.shape[1]
     # split, not slicing: the backward of S slices would zero-fill S full-size gradients
     sizes = [seg.end - seg.start for seg in packed_segments]
@@ -288,8 +295,7 @@ def _attend_segments(query, key, value, packed_segments, dropout, scaling) -> to
                 enable_gqa=gqa,
             )
         )
-    out = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-    return out.to(dtype)
+    return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
 
 
 def enable_packed_attention(model) -> None:
