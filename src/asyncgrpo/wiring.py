@@ -24,6 +24,7 @@ import yaml
 
 from asyncgrpo.backend import EngineBackend, make_backend
 from asyncgrpo.config import ConfigError, RunConfig
+from asyncgrpo.core_share import lend_to, share_engine_cores
 from asyncgrpo.environments import episode_source, wants_source
 from asyncgrpo.metrics.tracker import MetricsTracker
 from asyncgrpo.rollout.data import DatasetError, dataset_rows, load_prompts
@@ -138,12 +139,14 @@ def build_run(
         model_dir = _model_dir(cfg, model, tokenizer, run_dir)
         cluster = _cluster(cfg, run_dir)
         engine = _engine(cfg, model_dir, run_dir, agent, cluster)
+        busy_flag = share_engine_cores(cfg, engine)
         engine.launch()  # the engine loads its copy of the model while this process loads its own
         model, tokenizer = _policy(cfg, model, tokenizer, model_dir)
         tracker = MetricsTracker(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
         trainer = make_trainer(cfg, model, run_dir, model_dir, *_trainer_ranks(cfg, cluster))
+        lender = lend_to(trainer, busy_flag, cfg)
         builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func, source)
         repeats = cfg.agent.eval_repeats if agent else 1  # sampled episodes: average some
         run = assemble_run(
@@ -161,11 +164,18 @@ def build_run(
     except BaseException:
         _close_started(rewards, trainer, engine, cluster, source)
         raise
+    _add_closers(run, source, cluster, lender)
+    return run
+
+
+def _add_closers(run: RunContext, source, cluster, lender) -> None:
+    """What the run closes after its engines and trainer, in order."""
     if source is not None:
         run.closers.extend(source.closers)
     if cluster is not None:
         run.closers.append(cluster.shutdown)  # after the engines and the ranks
-    return run
+    if lender is not None:
+        run.closers.append(lender.remove)  # the model may outlive the run (`api.py`)
 
 
 def _inputs(cfg: RunConfig, funcs: list, agent: bool, datasets: tuple, env: tuple | None) -> tuple:

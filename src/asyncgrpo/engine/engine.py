@@ -40,6 +40,7 @@ from asyncgrpo.adapters import (
     is_adapter_update,
 )
 from asyncgrpo.config import EmbeddedEngineConfig
+from asyncgrpo.core_share import BusyFlag
 from asyncgrpo.engine.loading import (
     check_update,
     context_limit,
@@ -149,6 +150,7 @@ class Engine(_EngineThread):
         super().__init__()
         self._ids = itertools.count()
         self.busy_seconds = 0.0
+        self._busy_flag = BusyFlag.from_env()  # tells a trainer on this machine (core_share)
 
     # ---- counters kept by the scheduler ----------------------------------------
 
@@ -332,11 +334,13 @@ class Engine(_EngineThread):
             if not self.scheduler.busy:
                 self._release_pause_waiters()
             if not self._has_work():
+                self._busy_flag.set(False)
                 if not self.scheduler.live and self.runner.capacity > 1024:
                     self.runner.release_memory()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            self._busy_flag.set(True)
             start = time.perf_counter()
             try:
                 self.scheduler.step(admit=self._paused is None)

@@ -122,6 +122,7 @@ class EngineProcess:
         self._log_start = 0  # where this start's output begins in the (appended) log
         self._config_file: str | None = None
         self._guard = StartGuard(EngineStartError)
+        self.extra_env: dict[str, str] = {}  # more environment for the child (core_share.py)
 
     @property
     def base_url(self) -> str:
@@ -163,7 +164,10 @@ class EngineProcess:
             self.port = free_port(self.host)
         self._write_config()
         env = dict(
-            os.environ, ASYNCGRPO_ADMIN_TOKEN=self.admin_token, **{PARENT_PID_ENV: str(os.getpid())}
+            os.environ,
+            ASYNCGRPO_ADMIN_TOKEN=self.admin_token,
+            **{PARENT_PID_ENV: str(os.getpid())},
+            **self.extra_env,
         )
         if self.config.num_threads:
             env["OMP_NUM_THREADS"] = str(self.config.num_threads)
