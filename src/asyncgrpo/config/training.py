@@ -139,8 +139,8 @@ class TrainerConfig(Section):
     """While the engine on this machine has nothing to compute, run the trainer with its
     threads too (`core_share.py`): on 2 cores with the default recipe the engine idles
     ~50% of the time, and borrowing made the run 1.14x faster (median of 3 pairs).
-    `auto`: on for one trainer process on a CPU beside one embedded engine started by the
-    run (not under Ray, replicas or an external server)."""
+    `auto` (or `true`): on for one trainer process on a CPU beside one embedded engine
+    started by the run (not under Ray, replicas or an external server); `false`: off."""
     num_processes: int = Field(1, ge=1)
     """Data-parallel trainer ranks (see `strategy`: ddp by default, or FSDP2). More than
     1: `asyncgrpo train` is rank 0 and starts the others; under `torchrun` /
