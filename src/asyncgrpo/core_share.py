@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from asyncgrpo.transport.shm import shm_directory
+
 BUSY_FILE_ENV = "ASYNCGRPO_ENGINE_BUSY_FILE"
 _PREFIX = "asyncgrpo-busy-"
 
@@ -43,12 +45,11 @@ class BusyFlag:
     @classmethod
     def create(cls) -> BusyFlag:
         """A fresh flag (idle), removed when it is garbage or the interpreter exits."""
-        directory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        fd, path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=directory)
+        fd, path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=shm_directory())
         os.write(fd, b"\0")
         os.close(fd)
         flag = cls(path)
-        weakref.finalize(flag, _unlink, path)
+        weakref.finalize(flag, flag.path.unlink, missing_ok=True)
         return flag
 
     @classmethod
@@ -76,13 +77,6 @@ class Unshared:
     busy = False
 
     def set(self, busy: bool) -> None:
-        pass
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
         pass
 
 
