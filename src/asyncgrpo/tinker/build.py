@@ -8,6 +8,7 @@ import torch
 
 from asyncgrpo.adapters import ADAPTER_PREFIX, LORA_A_SUFFIX, LORA_B_SUFFIX
 from asyncgrpo.config import EmbeddedEngineConfig, TrainerConfig
+from asyncgrpo.hardware import keep_freed_memory
 from asyncgrpo.tinker.limits import TinkerLimits
 from asyncgrpo.tinker.service import ServedModel, TinkerService
 
@@ -19,12 +20,14 @@ def build_service(
     state_dir: Path,
     limits: TinkerLimits | None = None,
 ) -> TinkerService:
-    """The service over `model_dir`; its engine process starts loading at once."""
+    """The service over `model_dir`; its engine process starts loading at once. It trains
+    on this process's CPU, which keeps freed memory for reuse (`keep_freed_memory`)."""
     from transformers import AutoModelForCausalLM
 
     from asyncgrpo.backend.embedded import EmbeddedBackend
     from asyncgrpo.tinker.training import LoraModels
 
+    keep_freed_memory()
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     backend = EmbeddedBackend(engine_cfg)
     backend.launch()  # the engine loads while this process builds the trainer

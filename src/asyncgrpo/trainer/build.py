@@ -20,6 +20,7 @@ import torch
 
 from asyncgrpo.config import ConfigError, RunConfig
 from asyncgrpo.config.rollout import GREEDY_BELOW
+from asyncgrpo.hardware import keep_freed_memory
 from asyncgrpo.trainer.base import Trainer
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,13 @@ def load_policy(cfg: RunConfig, model_dir: str) -> torch.nn.Module:
 
 def prepare_policy(cfg: RunConfig, model: torch.nn.Module) -> torch.nn.Module:
     """On the trainer's device, with gradient checkpointing and the LoRA adapter, as the
-    recipe asks."""
-    model = model.to(trainer_device(cfg.trainer.device))
+    recipe asks. On a CPU, this process keeps freed memory for reuse from here on, unless
+    `trainer.reuse_freed_memory` is off."""
+    device = trainer_device(cfg.trainer.device)
+    reuse = device.type == "cpu" and cfg.trainer.reuse_freed_memory
+    if reuse and keep_freed_memory():
+        logger.info("malloc keeps freed memory for reuse (no per-step page faults)")
+    model = model.to(device)
     if cfg.trainer.gradient_checkpointing:
         _checkpoint_activations(model)
     if cfg.model.lora is not None:
