@@ -62,7 +62,7 @@ def packed_micro_batch(args, vocab: int, device: torch.device):
 
 def variants(packed, cfg, device: torch.device) -> dict:
     """name -> fn(q, k, v) returning the (1, N, Hq, D)-shaped output of one attention."""
-    from asyncgrpo.trainer.packing import _attend_segments, _sdpa_kernels
+    from asyncgrpo.trainer.segments import attend_segments, sdpa_kernels
     from asyncgrpo.trainer.varlen import (
         _varlen_call,
         varlen_attention,
@@ -76,15 +76,15 @@ def variants(packed, cfg, device: torch.device) -> dict:
     def dense(q, k, v):  # as transformers' sdpa calls it: KV heads repeated, no enable_gqa
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        with _sdpa_kernels(device):
+        with sdpa_kernels(device):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale
             )
         return out.transpose(1, 2)
 
     def segments(q, k, v):
-        with _sdpa_kernels(device):
-            return _attend_segments(q, k, v, packed.segments, 0.0, scale).transpose(1, 2)
+        with sdpa_kernels(device):
+            return attend_segments(q, k, v, packed.segments, 0.0, scale).transpose(1, 2)
 
     found = {"mask": dense, "segments": segments}
     if not (device.type == "cuda" and varlen_available()):

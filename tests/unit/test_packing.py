@@ -236,3 +236,43 @@ def test_cpu_segment_attention_stays_float32_under_bf16_autocast():
         got, _ = packed_attention_forward(None, q, k, v, None, packed_segments=packed.segments)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got[0].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_merged_completions_attend_as_the_unmerged_ones():
+    """Completions behind one prompt join into one call while they fit `max_rows`; each
+    row still sees the whole prompt and only its own completion, causally."""
+    from asyncgrpo.trainer.segments import attend_segments, merge_completions
+
+    seqs, prompts = grpo_like_batch()
+    packed = pack_sequences(seqs, prompts)
+    merged = merge_completions(packed.segments)
+
+    def layout(segments):
+        return [(s.start, s.end, s.prefix) for s in segments]
+
+    # p1 + completions of 5 and 10 input rows, the loner of 12, p2 + completions of 2 and 7,
+    # the loner of 4: each pair of completions becomes one segment
+    assert layout(merged) == [
+        (0, 9, None),
+        (9, 24, 0),
+        (24, 36, None),
+        (36, 40, None),
+        (40, 49, 3),
+        (49, 53, None),
+    ]
+    first = merged[1].mask  # (15, 9 + 15): prompt, then two causal blocks of 5 and 10
+    assert first[:, :9].all()
+    assert first[4, 9:14].tolist() == [True] * 5 and not first[4, 14:].any()
+    assert first[5, 9:14].sum() == 0 and first[5, 14].item() and not first[5, 15:].any()
+    assert layout(merge_completions(packed.segments, max_rows=8)) == layout(packed.segments)
+
+    n = packed.input_ids.shape[1]
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 4, n, 8, generator=g, requires_grad=True) for _ in range(3))
+    want = attend_segments(q, k, v, packed.segments, 0.0, None)
+    got = attend_segments(q, k, v, merged, 0.0, None)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    upstream = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, (q, k, v), upstream)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), upstream), want_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

@@ -26,25 +26,26 @@ kernel; this is its equivalent. `benchmarks/train_step_packing.py` measures both
 beats many small ones, flash attention's variable-length kernel (`varlen.py`) under
 autocast, else the dense mask (`benchmarks/README.md`).
 Without the packing kwarg the function is plain sdpa, so the model keeps
-working for ordinary padded forwards.
-
-On a GPU the calls exclude cuDNN's attention: it plans each new shape on the CPU,
-and packed rows and segments rarely repeat a shape (measured on an H100 with
-SmolLM2-135M: ~2 ms of CPU per call, 2.5 s of a 16-sample step); flash and
-memory-efficient attention launch in microseconds.
+working for ordinary padded forwards. The per-segment calls are in `segments.py`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from asyncgrpo.trainer.logprobs import DEFAULT_CHUNK_ROWS, lm_head_token_logprobs
+from asyncgrpo.trainer.segments import (
+    Segment,
+    attend_segments,
+    merge_completions,
+    prefix_causal_mask,
+    sdpa_kernels,
+)
 from asyncgrpo.trainer.varlen import (
     VarlenLayout,
     varlen_attention,
@@ -54,17 +55,6 @@ from asyncgrpo.trainer.varlen import (
 )
 
 ATTN_IMPLEMENTATION = "asyncgrpo_packed"
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Rows [start, end) of the packed row: causal among themselves, plus full
-    attention to every row of segment number `prefix` (a shared prompt), if set."""
-
-    start: int
-    end: int
-    prefix: int | None = None
-    mask: torch.Tensor | None = None  # (end-start, prefix length + end-start) bool, with a prefix
 
 
 @dataclass
@@ -95,12 +85,6 @@ class PackedBatch:
 class PackedLogProbs:
     logprobs: list[torch.Tensor]  # per sequence, (C_i,) fp32, log-prob of each completion token
     entropy: list[torch.Tensor] | None  # per sequence, (C_i,) fp32
-
-
-def _prefix_causal_mask(length: int, prefix: int, device: torch.device) -> torch.Tensor:
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()  # (C, C)
-    prompt = torch.ones(length, prefix, dtype=torch.bool, device=device)
-    return torch.cat([prompt, causal], dim=1)
 
 
 def _prompt_groups(
@@ -142,7 +126,7 @@ def pack_sequences(
         if tokens:
             mask = None
             if prefix is not None and segment_masks:
-                mask = _prefix_causal_mask(len(tokens), first_position, device)
+                mask = prefix_causal_mask(len(tokens), first_position, device)
             segments.append(Segment(start, len(ids), prefix, mask))
         return start
 
@@ -223,7 +207,7 @@ def packed_attention_forward(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed_segments is None:
-        with _sdpa_kernels(query.device):
+        with sdpa_kernels(query.device):
             return sdpa_attention_forward(
                 module,
                 query,
@@ -236,66 +220,13 @@ def packed_attention_forward(
             )
     if query.shape[0] != 1:
         raise ValueError("a packed forward takes a single row")
-    with _sdpa_kernels(query.device):
+    with sdpa_kernels(query.device):
         half = varlen_dtype(query) if packed_varlen is not None else None
         if half is not None and dropout == 0.0:
             query, key, value = (t.to(half) for t in (query, key, value))
             return varlen_attention(query, key, value, packed_varlen, scaling).contiguous(), None
-        out = _attend_segments(query, key, value, packed_segments, dropout, scaling)
+        out = attend_segments(query, key, value, packed_segments, dropout, scaling)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _sdpa_kernels(device: torch.device):
-    """sdpa's kernels for calls whose shapes rarely repeat (module docstring)."""
-    if device.type != "cuda":
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(
-        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    )
-
-
-def _attend_segments(query, key, value, packed_segments, dropout, scaling) -> torch.Tensor:
-    """(1, Hq, N, D): sdpa over each segment, a completion's keys behind its prompt's.
-
-    On a CPU the segments attend in float32 with autocast off: CPU autocast would cast
-    sdpa's inputs to bf16, and torch's CPU flash kernel converts half inputs block by
-    block; its backward on bf16 segments ran ~3x slower than on float32 ones
-    (`benchmarks/README.md`, trainer on CPU). The casts are N x D per head, small."""
-    dtype = query.dtype
-    if query.device.type != "cpu":
-        return _sdpa_segments(query, key, value, packed_segments, dropout, scaling).to(dtype)
-    with torch.autocast("cpu", enabled=False):
-        query, key, value = query.float(), key.float(), value.float()
-        out = _sdpa_segments(query, key, value, packed_segments, dropout, scaling)
-    return out.to(dtype)
-
-
-def _sdpa_segments(query, key, value, packed_segments, dropout, scaling) -> torch.Tensor:
-    gqa = query.shape[1] != key.shape[1]
-    # split, not slicing: the backward of S slices would zero-fill S full-size gradients
-    sizes = [seg.end - seg.start for seg in packed_segments]
-    queries, keys, values = (t.split(sizes, dim=2) for t in (query, key, value))
-    outputs = []
-    for i, seg in enumerate(packed_segments):
-        k, v = keys[i], values[i]
-        if seg.prefix is not None:
-            k = torch.cat([keys[seg.prefix], k], dim=2)
-            v = torch.cat([values[seg.prefix], v], dim=2)
-        outputs.append(
-            F.scaled_dot_product_attention(
-                queries[i],
-                k,
-                v,
-                attn_mask=seg.mask,
-                dropout_p=dropout,
-                is_causal=seg.mask is None,
-                scale=scaling,
-                enable_gqa=gqa,
-            )
-        )
-    return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
 
 
 def enable_packed_attention(model) -> None:
@@ -344,7 +275,8 @@ def packed_token_logprobs(
             raise RuntimeError("call enable_packed_attention(model) before a packed forward")
         # An all-ones 2D mask makes transformers skip mask building (sdpa is_causal path).
         forward.update(
-            attention_mask=torch.ones_like(packed.input_ids), packed_segments=packed.segments
+            attention_mask=torch.ones_like(packed.input_ids),
+            packed_segments=merge_completions(packed.segments),
         )
         if attention == "varlen" and device.type == "cuda" and varlen_available():
             forward.update(packed_varlen=varlen_layout(packed.segments, device))

@@ -1,0 +1,148 @@
+"""Attention over the segments of a packed row, one sdpa call per segment.
+
+`packing.py` lays many sequences out in one row; a `Segment` is a run of its rows that
+attends causally to itself, and to a shared prompt's rows behind it. Where no varlen
+kernel runs (a CPU; float32 activations), `attend_segments` calls sdpa once per
+segment, so the work is the sum of the segments' squares, not the row's.
+`merge_completions` first joins small completions behind one prompt into one call.
+
+On a GPU the calls exclude cuDNN's attention: it plans each new shape on the CPU,
+and packed rows and segments rarely repeat a shape (measured on an H100 with
+SmolLM2-135M: ~2 ms of CPU per call, 2.5 s of a 16-sample step); flash and
+memory-efficient attention launch in microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# completions behind one prompt attend in one sdpa call while their rows total at most
+# this (`merge_completions`): a call costs ~0.1 ms more than its arithmetic on a CPU
+MERGED_ROWS = 128
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [start, end) of the packed row: causal among themselves, plus full
+    attention to every row of segment number `prefix` (a shared prompt), if set. With
+    a prefix, `mask` says which (prefix + own) keys each row attends to: a causal block
+    for one completion, block-diagonal causal blocks for merged ones."""
+
+    start: int
+    end: int
+    prefix: int | None = None
+    mask: torch.Tensor | None = None  # (end-start, prefix length + end-start) bool, with a prefix
+
+
+def prefix_causal_mask(length: int, prefix: int, device: torch.device) -> torch.Tensor:
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()  # (C, C)
+    prompt = torch.ones(length, prefix, dtype=torch.bool, device=device)
+    return torch.cat([prompt, causal], dim=1)
+
+
+def merge_completions(
+    segments: Sequence[Segment], max_rows: int = MERGED_ROWS
+) -> tuple[Segment, ...]:
+    """`segments` with consecutive completions behind the same prompt merged into one
+    segment while their rows total at most `max_rows`, for the per-segment attention.
+
+    The default recipe packs 8 completions of ~10 tokens behind each prompt: one call for
+    them instead of 8 computes ~2x the scores it keeps (each row also scores its
+    siblings' keys, masked), but the calls, not the arithmetic, are what cost there."""
+    out: list[Segment] = []
+    renumbered: dict[int, int] = {}  # a prompt's index in `segments` -> in `out`
+    run: list[Segment] = []
+
+    def flush() -> None:
+        if run:
+            first, prefix = run[0], renumbered[run[0].prefix]
+            one = Segment(first.start, first.end, prefix, first.mask)
+            out.append(one if len(run) == 1 else _merged(run, prefix))
+            run.clear()
+
+    for i, seg in enumerate(segments):
+        if seg.prefix is None or seg.mask is None:
+            flush()
+            renumbered[i] = len(out)
+            out.append(seg)
+            continue
+        rows = sum(s.end - s.start for s in run) + seg.end - seg.start
+        if run and (run[0].prefix != seg.prefix or rows > max_rows):
+            flush()
+        run.append(seg)
+    flush()
+    return tuple(out)
+
+
+def _merged(run: list[Segment], prefix: int) -> Segment:
+    """One segment for contiguous completions behind prompt segment `prefix`: each row
+    attends to the whole prompt and causally to its own completion only."""
+    sizes = [s.end - s.start for s in run]
+    rows = sum(sizes)
+    prompt_length = run[0].mask.shape[1] - sizes[0]
+    device = run[0].mask.device
+    owner = torch.repeat_interleave(  # (R,) which completion each row belongs to
+        torch.arange(len(run), device=device), torch.tensor(sizes, device=device)
+    )
+    causal = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+    own = (owner[:, None] == owner[None, :]) & causal  # (R, R)
+    prompt = torch.ones(rows, prompt_length, dtype=torch.bool, device=device)
+    return Segment(run[0].start, run[-1].end, prefix, torch.cat([prompt, own], dim=1))
+
+
+def sdpa_kernels(device: torch.device):
+    """sdpa's kernels for calls whose shapes rarely repeat (module docstring)."""
+    if device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
+
+
+def attend_segments(query, key, value, packed_segments, dropout, scaling) -> torch.Tensor:
+    """(1, Hq, N, D): sdpa over each segment, a completion's keys behind its prompt's.
+
+    On a CPU the segments attend in float32 with autocast off: CPU autocast would cast
+    sdpa's inputs to bf16, and torch's CPU flash kernel converts half inputs block by
+    block; its backward on bf16 segments ran ~3x slower than on float32 ones
+    (`benchmarks/README.md`, trainer on CPU). The casts are N x D per head, small."""
+    dtype = query.dtype
+    if query.device.type != "cpu":
+        return _sdpa_segments(query, key, value, packed_segments, dropout, scaling).to(dtype)
+    with torch.autocast("cpu", enabled=False):
+        query, key, value = query.float(), key.float(), value.float()
+        out = _sdpa_segments(query, key, value, packed_segments, dropout, scaling)
+    return out.to(dtype)
+
+
+def _sdpa_segments(query, key, value, packed_segments, dropout, scaling) -> torch.Tensor:
+    gqa = query.shape[1] != key.shape[1]
+    # split, not slicing: the backward of S slices would zero-fill S full-size gradients
+    sizes = [seg.end - seg.start for seg in packed_segments]
+    queries, keys, values = (t.split(sizes, dim=2) for t in (query, key, value))
+    outputs = []
+    for i, seg in enumerate(packed_segments):
+        k, v = keys[i], values[i]
+        if seg.prefix is not None:
+            k = torch.cat([keys[seg.prefix], k], dim=2)
+            v = torch.cat([values[seg.prefix], v], dim=2)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                queries[i],
+                k,
+                v,
+                attn_mask=seg.mask,
+                dropout_p=dropout,
+                is_causal=seg.mask is None,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+        )
+    return torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
