@@ -126,3 +126,30 @@ def test_each_checkpoint_carries_the_accounting_and_rewrites_accounting_json(tmp
     state = Checkpointer(resumed, tmp_path, 2, None, None).resume()
     assert (state.step, resumed.version, state.data_position) == (2, 2, {"cursor": 8})
     assert state.extra == {"time_s": 2.0, "accounting": accounting}
+
+
+def test_a_snapshot_that_cannot_be_written_is_logged_and_training_goes_on(
+    tmp_path, monkeypatch, caplog
+):
+    """A full disk fails one weight snapshot: no traceback ends the run, no temporary
+    file is left, and the next snapshot is written once there is room again."""
+    from asyncgrpo.trainer import checkpoint
+
+    real_save = checkpoint.save_file
+
+    def disk_full(weights, path):
+        path.write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    trainer = TinyTrainer()
+    trainer.named_weights = lambda: trainer.model.state_dict().items()
+    snapshots = Checkpointer(trainer, tmp_path, 1000, 1, torch.float32)
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    snapshots.maybe_save(1, lambda: ({}, {}), time_s=1.0)
+    snapshots.wait()
+    assert "step-000001.safetensors not written" in caplog.text
+    assert "No space left on device" in caplog.text
+    monkeypatch.setattr(checkpoint, "save_file", real_save)
+    snapshots.maybe_save(2, lambda: ({}, {}), time_s=2.0)
+    snapshots.close()
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step-000002.safetensors"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import random
 import shutil
@@ -33,6 +34,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from asyncgrpo.trainer.sharded import full, like
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -197,10 +200,15 @@ def write_json(path: str | Path, data: Any) -> None:
 
 
 def write_weights(path: str | Path, weights: dict[str, torch.Tensor]) -> None:
-    """Write safetensors atomically: a reader never sees a partial file."""
+    """Write safetensors atomically: a reader never sees a partial file (nor, if the
+    write fails, a leftover temporary one)."""
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
-    save_file(weights, tmp)
+    try:
+        save_file(weights, tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -289,6 +297,7 @@ class Checkpointer:
         self.snapshot_dtype = snapshot_dtype
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "weights-writer")
         self._writing: concurrent.futures.Future | None = None
+        self._writing_path: Path | None = None
 
     def maybe_save(
         self,
@@ -333,11 +342,20 @@ class Checkpointer:
         self.weights_directory.mkdir(exist_ok=True)
         path = self.weights_directory / f"step-{step:06d}.safetensors"
         self._writing = self._writer.submit(write_weights, path, weights)
+        self._writing_path = path
 
     def wait(self) -> None:
-        """Wait for the snapshot being written."""
-        if self._writing is not None:
+        """Wait for the snapshot being written. One that could not be written (a full
+        disk) is logged and skipped, not raised: a snapshot is a copy for later, and
+        losing one should not end the training; the next is tried as usual."""
+        if self._writing is None:
+            return
+        try:
             self._writing.result()
+        except OSError as exc:
+            path = self._writing_path
+            logger.error("weight snapshot %s not written (%s); training goes on", path, exc)
+        finally:
             self._writing = None
 
     def close(self) -> None:
