@@ -133,13 +133,15 @@ def test_a_snapshot_that_cannot_be_written_is_logged_and_training_goes_on(
 ):
     """A full disk fails one weight snapshot: no traceback ends the run, no temporary
     file is left, and the next snapshot is written once there is room again."""
+    from safetensors import SafetensorError
+
     from asyncgrpo.trainer import checkpoint
 
     real_save = checkpoint.save_file
 
-    def disk_full(weights, path):
+    def disk_full(weights, path):  # what safetensors raised when /tmp filled up
         path.write_bytes(b"partial")
-        raise OSError(28, "No space left on device")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
 
     trainer = TinyTrainer()
     trainer.named_weights = lambda: trainer.model.state_dict().items()

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from asyncgrpo.trainer.sharded import full, like
@@ -296,8 +297,7 @@ class Checkpointer:
         self.snapshot_every = snapshot_every
         self.snapshot_dtype = snapshot_dtype
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "weights-writer")
-        self._writing: concurrent.futures.Future | None = None
-        self._writing_path: Path | None = None
+        self._writing: tuple[concurrent.futures.Future, Path] | None = None
 
     def maybe_save(
         self,
@@ -341,8 +341,7 @@ class Checkpointer:
         self.wait()  # one write at a time: memory stays bounded
         self.weights_directory.mkdir(exist_ok=True)
         path = self.weights_directory / f"step-{step:06d}.safetensors"
-        self._writing = self._writer.submit(write_weights, path, weights)
-        self._writing_path = path
+        self._writing = self._writer.submit(write_weights, path, weights), path
 
     def wait(self) -> None:
         """Wait for the snapshot being written. One that could not be written (a full
@@ -350,13 +349,12 @@ class Checkpointer:
         losing one should not end the training; the next is tried as usual."""
         if self._writing is None:
             return
+        writing, path = self._writing
+        self._writing = None
         try:
-            self._writing.result()
-        except OSError as exc:
-            path = self._writing_path
+            writing.result()
+        except (OSError, SafetensorError) as exc:  # safetensors reports its I/O errors as its own
             logger.error("weight snapshot %s not written (%s); training goes on", path, exc)
-        finally:
-            self._writing = None
 
     def close(self) -> None:
         self.wait()

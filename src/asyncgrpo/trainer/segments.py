@@ -71,8 +71,8 @@ def merge_completions(
             renumbered[i] = len(out)
             out.append(seg)
             continue
-        rows = sum(s.end - s.start for s in run) + seg.end - seg.start
-        if run and (run[0].prefix != seg.prefix or rows > max_rows):
+        # segments are contiguous: the run and this one span rows run[0].start .. seg.end
+        if run and (run[0].prefix != seg.prefix or seg.end - run[0].start > max_rows):
             flush()
         run.append(seg)
     flush()
@@ -80,18 +80,12 @@ def merge_completions(
 
 
 def _merged(run: list[Segment], prefix: int) -> Segment:
-    """One segment for contiguous completions behind prompt segment `prefix`: each row
-    attends to the whole prompt and causally to its own completion only."""
-    sizes = [s.end - s.start for s in run]
-    rows = sum(sizes)
-    prompt_length = run[0].mask.shape[1] - sizes[0]
-    device = run[0].mask.device
-    owner = torch.repeat_interleave(  # (R,) which completion each row belongs to
-        torch.arange(len(run), device=device), torch.tensor(sizes, device=device)
-    )
-    causal = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
-    own = (owner[:, None] == owner[None, :]) & causal  # (R, R)
-    prompt = torch.ones(rows, prompt_length, dtype=torch.bool, device=device)
+    """One segment for contiguous completions behind prompt segment `prefix`, from their
+    own masks: each row attends to the whole prompt and causally to its own completion
+    only (the completions' causal blocks on the diagonal)."""
+    prompt_length = run[0].mask.shape[1] - (run[0].end - run[0].start)
+    prompt = torch.cat([s.mask[:, :prompt_length] for s in run])  # (R, P)
+    own = torch.block_diag(*(s.mask[:, prompt_length:] for s in run))  # (R, R)
     return Segment(run[0].start, run[-1].end, prefix, torch.cat([prompt, own], dim=1))
 
 
