@@ -122,10 +122,12 @@ def test_bf16_head_weight_gradient_matches_a_float64_loop(buffer_rows, monkeypat
     torch.testing.assert_close(head.weight.grad.double(), w.grad, atol=0.01 * scale, rtol=0.02)
 
 
+@pytest.mark.parametrize("bf16", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_kept_bf16_logits_give_the_recomputed_gradients_exactly(temperature, monkeypatch):
-    """The backward reads the forward's bf16 logits instead of recomputing them: the same
-    numbers, so the same gradients to the bit, with or without a bias and entropy."""
+def test_kept_logits_give_the_recomputed_gradients_exactly(temperature, bf16, monkeypatch):
+    """The backward reads the forward's logits (bf16 or float32) instead of recomputing
+    them: the same numbers, so the same gradients to the bit, with or without a bias and
+    entropy, and a second backward over a retained graph gives them again."""
     torch.manual_seed(6)
     head = torch.nn.Linear(32, 128, bias=True)
     hidden = torch.randn(13, 32)
@@ -135,14 +137,18 @@ def test_kept_bf16_logits_give_the_recomputed_gradients_exactly(temperature, mon
         monkeypatch.setattr(logprobs_module, "KEPT_LOGITS_BYTES", kept_bytes)
         head.zero_grad()
         h = hidden.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             lp, ent = lm_head_token_logprobs(
                 h, head, targets, temperature, with_entropy=True, chunk_rows=4
             )
+        (lp.sum() + 0.1 * ent.sum()).backward(retain_graph=True)
+        grads.append((lp, ent, h.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()))
+        h.grad, head.weight.grad, head.bias.grad = None, None, None
         (lp.sum() + 0.1 * ent.sum()).backward()
-        grads.append((lp, ent, h.grad, head.weight.grad.clone(), head.bias.grad.clone()))
-    for recomputed, kept in zip(*grads, strict=True):
+        grads.append((lp, ent, h.grad, head.weight.grad, head.bias.grad))
+    for recomputed, kept, kept_again in zip(grads[0], grads[2], grads[3], strict=True):
         assert torch.equal(recomputed, kept)
+        assert torch.equal(kept, kept_again)
 
 
 # ---- top_p < 1: log-probs of the truncated, renormalised distribution the engine samples --

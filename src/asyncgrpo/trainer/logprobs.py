@@ -46,7 +46,7 @@ import torch
 
 DEFAULT_CHUNK_ROWS = 512
 HEAD_GRAD_BUFFER_BYTES = 256 << 20  # low-precision logit gradients held for one matmul
-KEPT_LOGITS_BYTES = 512 << 20  # low-precision logits up to this size skip the recompute
+KEPT_LOGITS_BYTES = 512 << 20  # logits up to this size are kept: the backward skips the recompute
 
 
 def selective_log_softmax(
@@ -118,18 +118,20 @@ def _chunk_logits(hidden, weight, bias, temperature, out=None) -> torch.Tensor:
         logits = torch.mm(hidden, weight.t(), out=out)
     else:
         logits = torch.addmm(bias, hidden, weight.t(), out=out)
-    return _float_logits(logits, temperature)
+    return _float_logits(logits, temperature, copy=out is not None)
 
 
-def _float_logits(logits, temperature) -> torch.Tensor:
-    logits = logits.float()  # a copy only under bf16
+def _float_logits(logits, temperature, copy: bool = False) -> torch.Tensor:
+    """`logits` in float32 / temperature, as a new tensor where it is already float32 and
+    `copy` says it must survive (kept logits: the caller works in place)."""
+    logits = logits.clone() if copy and logits.dtype == torch.float32 else logits.float()
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
 class _LMHeadLogProbs(torch.autograd.Function):
     """Fused head + selective log-softmax (+ entropy). The backward needs the logits
-    again: low-precision ones up to `KEPT_LOGITS_BYTES` are kept from the forward (the
-    same numbers; on a CPU the recompute is ~6% of a training step), larger or float32
+    again: up to `KEPT_LOGITS_BYTES` they are kept from the forward (the same numbers; on
+    a CPU the recompute is ~6% of a training step, a float32 copy of them ~0.5%), larger
     ones are recomputed chunk by chunk.
 
     Works in place on each chunk: at most two (chunk, V) float32 buffers live (more
@@ -161,10 +163,9 @@ class _LMHeadLogProbs(torch.autograd.Function):
         lse = hidden.new_empty(n, dtype=torch.float32)  # (M,) over the support
         mean_z = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)  # (M,) E_p[z]
         threshold = hidden.new_empty(n if top_p < 1 else 0, dtype=torch.float32)  # (M,)
-        kept = None  # float32 logits are modified in place: only a low-precision copy is kept
-        if keep_logits and dtype != torch.float32:
-            if n * weight.shape[0] * weight.element_size() <= KEPT_LOGITS_BYTES:
-                kept = hidden.new_empty(n, weight.shape[0], dtype=dtype)  # (M, V)
+        kept = None  # the head's product in `dtype`, for the backward
+        if keep_logits and n * weight.shape[0] * weight.element_size() <= KEPT_LOGITS_BYTES:
+            kept = hidden.new_empty(n, weight.shape[0], dtype=dtype)  # (M, V)
         for s in range(0, n, chunk_rows):
             rows = slice(s, s + chunk_rows)
             out = None if kept is None else kept[rows]
@@ -207,7 +208,7 @@ class _LMHeadLogProbs(torch.autograd.Function):
             if kept is None:
                 z = _chunk_logits(hidden[rows], weight, bias, temperature)  # (c, V)
             else:
-                z = _float_logits(kept[rows], temperature)
+                z = _float_logits(kept[rows], temperature, copy=True)  # backward may rerun
             grad_z = _logit_gradient(
                 z,
                 lse[rows],
@@ -260,7 +261,10 @@ class _HeadWeightGradient:
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, chunk_rows: int):
         self.hidden = hidden
-        self.grad = torch.zeros_like(weight, dtype=torch.float32)  # (V, H)
+        self.weight = weight
+        # (V, H) float32, made by the first product: zeroing 113 MB first (SmolLM2's head)
+        # and adding to it cost a memory pass and most of a matmul's time on a CPU
+        self.grad: torch.Tensor | None = None
         self.buffer = None
         if weight.dtype != torch.float32:
             rows_fit = HEAD_GRAD_BUFFER_BYTES // (weight.shape[0] * hidden.element_size())
@@ -273,7 +277,10 @@ class _HeadWeightGradient:
         rows = slice(start, start + grad_z.shape[0])
         if self.buffer is None:
             grad_logits = grad_z.to(self.hidden.dtype)
-            self.grad.addmm_(grad_logits.t(), self.hidden[rows])
+            if self.grad is None:
+                self.grad = torch.mm(grad_logits.t(), self.hidden[rows])
+            else:
+                self.grad.addmm_(grad_logits.t(), self.hidden[rows])
             return grad_logits
         if rows.stop - self.held > len(self.buffer):
             self._flush(start)
@@ -281,12 +288,15 @@ class _HeadWeightGradient:
 
     def result(self) -> torch.Tensor:
         self._flush(self.hidden.shape[0])
+        if self.grad is None:  # no rows
+            return torch.zeros_like(self.weight, dtype=torch.float32)
         return self.grad
 
     def _flush(self, end: int) -> None:
         if self.buffer is not None and end > self.held:
             held = self.buffer[: end - self.held]  # (rows, V)
-            self.grad.add_((held.t() @ self.hidden[self.held : end]).float())
+            product = (held.t() @ self.hidden[self.held : end]).float()
+            self.grad = product if self.grad is None else self.grad.add_(product)
         self.held = end
 
 
