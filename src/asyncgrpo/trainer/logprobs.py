@@ -262,8 +262,8 @@ class _HeadWeightGradient:
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, chunk_rows: int):
         self.hidden = hidden
         self.weight = weight
-        # (V, H) float32, made by the first product: zeroing 113 MB first (SmolLM2's head)
-        # and adding to it cost a memory pass and most of a matmul's time on a CPU
+        # (V, H) float32, made by the first product: zeros to add it to cost a fill of
+        # the whole head (113 MB for SmolLM2, 77 ms of a 5.5 s step on a 2-core Xeon)
         self.grad: torch.Tensor | None = None
         self.buffer = None
         if weight.dtype != torch.float32:
