@@ -159,7 +159,10 @@ def test_adapter_syncs_sample_as_the_merged_model(lora_vllm, loop, tiny_vllm_mod
         assert sample.token_ids != base.token_ids  # the adapter changes the greedy output
         assert sample.weight_versions == [start + step] * TOKENS
         logp = merged_logprobs(tiny_vllm_model_dir, adapter, PROMPT, sample.token_ids)
-        assert logp.argmax(-1).tolist() == sample.token_ids
+        # greedy under the merged model, up to bf16 rounding: on a Xeon without AVX512-BF16
+        # vLLM took a first token 0.015 nats below the reference's best (a near-tie)
+        picked = logp.gather(1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+        assert (logp.max(-1).values - picked).max() < 0.05
         # bf16 rounding leaves ~0.1; the other adapter or the base model are nats away
         assert distance(logp, sample.token_ids, sample.logprobs) < 0.3
     other = merged_logprobs(tiny_vllm_model_dir, samples[0][0], PROMPT, samples[1][1].token_ids)
