@@ -3,8 +3,8 @@
 Every `eval_steps` (and before the first step, and at the end) the held-out
 rows are sampled through the run's `GroupBuilder` (`evaluate`: greedy
 completions for single-turn runs, episodes for agent runs) on the rollout loop,
-with whatever weights the engine holds; the result is logged with the step it
-started at once it is done. At most one evaluation runs at a time, and a step
+with the weights of the last sync (it waits for one still landing); the result is
+logged with the step it started at once it is done. At most one evaluation runs at a time, and a step
 the run directory already holds an evaluation of (a resumed run starts at its
 checkpoint's step, often one that was evaluated) is not evaluated again.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from asyncgrpo.loop_thread import LoopThread
@@ -37,7 +38,9 @@ class Evaluator:
         limit: int | None = None,
         repeats: int = 1,
         timeout_s: float = 600.0,
+        landed: Callable[[], Awaitable[None]] | None = None,
     ):
+        """`landed`: on the loop, waits until the last weight sync started has landed."""
         self.builder = builder
         self.rows = rows
         self.loop = loop
@@ -46,6 +49,7 @@ class Evaluator:
         self.limit = limit
         self.repeats = repeats  # agent runs: episodes per row (they are sampled)
         self.timeout_s = timeout_s
+        self.landed = landed
         self._running: tuple[int, concurrent.futures.Future] | None = None
         self._last_step: int | None = None
 
@@ -76,6 +80,8 @@ class Evaluator:
             logger.exception("evaluation at step %d failed", step)
 
     async def _evaluate(self, step: int) -> dict[str, Any]:
+        if self.landed is not None:
+            await self.landed()
         count = min(len(self.rows), self.limit or len(self.rows))
         rows = [dict(self.rows[i]) for i in range(count)] * self.repeats
         result = await self.builder.evaluate(rows)

@@ -56,9 +56,11 @@ def run_to_end(r: RunContext, stop: threading.Event, resume: bool = False) -> No
             r.resume()
         r.publish_trainer_state()
         r.link.sync_weights()  # the engine samples with the trainer's weights from the start
+        r.link.settle()
         r.start_watchdog()  # logs what the run waits for whenever nothing moves
         r.producer = r.loop.submit(continuous_rollouts(r))
         continuous_training(r, stop)
+        r.link.settle()  # the final evaluation samples with the last weights
         r.checkpoint(force=True)
         if not stop.is_set() and not r.clock.out_of_time():  # the budget covers evaluation too
             with r.activity.doing("final evaluation"):

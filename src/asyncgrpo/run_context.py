@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,8 +176,12 @@ def assemble_run(
     buffer = _buffer(cfg, prompts)
     orchestrator = _orchestrator(cfg, builder, buffer, prompts)
     loop = LoopThread()
-    evaluator = _evaluator(cfg, builder, eval_rows, loop, tracker, eval_repeats)
     weight_dtype = getattr(torch, cfg.engine.resolved_dtype())
+    activity, clock = Activity(tracker), RunClock(cfg.max_time_s)
+    link = EngineLink(
+        engine, loop, trainer, buffer, activity, weight_dtype, cfg.coordinator.sync_mode
+    )
+    evaluator = _evaluator(cfg, builder, eval_rows, loop, tracker, eval_repeats, link.landed)
     checkpoints = Checkpointer(
         trainer,
         run_dir,
@@ -184,10 +189,6 @@ def assemble_run(
         cfg.save_weights_steps,
         weight_dtype,
         keep=cfg.save_total_limit,
-    )
-    activity, clock = Activity(tracker), RunClock(cfg.max_time_s)
-    link = EngineLink(
-        engine, loop, trainer, buffer, activity, weight_dtype, cfg.coordinator.sync_mode
     )
     status = PipelineStatus(activity, buffer, orchestrator, link, trainer, rewards)
     batches = BatchWaiter(
@@ -230,13 +231,20 @@ def _orchestrator(
 
 
 def _evaluator(
-    cfg: RunConfig, builder: GroupBuilder, rows: Any, loop: LoopThread, tracker: Any, repeats: int
+    cfg: RunConfig,
+    builder: GroupBuilder,
+    rows: Any,
+    loop: LoopThread,
+    tracker: Any,
+    repeats: int,
+    landed: Callable[[], Awaitable[None]],
 ) -> Evaluator:
     return Evaluator(
         builder,
         rows,
         loop,
         tracker,
+        landed=landed,
         every=cfg.eval_steps,
         limit=cfg.eval_limit,
         repeats=repeats,

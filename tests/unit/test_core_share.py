@@ -110,3 +110,34 @@ def test_the_engine_publishes_busy_while_it_computes(tiny_model_dir, monkeypatch
         assert not flag.busy
     finally:
         engine.shutdown()
+
+
+def test_the_engine_publishes_busy_while_it_writes_a_weight_update_when_paused(
+    tiny_model_dir, monkeypatch
+):
+    """A weight sync that lands while the trainer steps (`session/engine_link.py`) copies
+    the weights on the engine's core: the trainer must not count that core as idle."""
+    flag = BusyFlag.create()
+    monkeypatch.setenv(BUSY_FILE_ENV, str(flag.path))
+    engine = Engine(EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32"))
+    during: list[bool] = []
+    changed = engine.runner.weights_changed
+
+    def recording(*args, **kwargs):
+        during.append(flag.busy)
+        return changed(*args, **kwargs)
+
+    engine.runner.weights_changed = recording
+    engine.start()
+    try:
+
+        async def update():
+            await engine.pause("keep")
+            name, param = next(iter(engine.model.named_parameters()))
+            await engine.update_weights([(name, param.detach() + 1)], version=1)
+            await engine.resume()
+
+        asyncio.run(update())
+        assert during == [True]
+    finally:
+        engine.shutdown()

@@ -271,18 +271,53 @@ def test_a_sync_reaches_every_member_at_once():
     asyncio.run(scenario())
 
 
-def test_a_member_that_dies_for_good_ends_the_sync_after_the_others_finished():
+def dies_in_sync(member: FakeMember) -> None:
+    """The member passes the probe before the sync, then dies in it (once)."""
+    sync = member.sync_weights
+
+    async def dying(weights, version, mode):
+        member.sync_weights = sync
+        member.dead = True
+        raise EngineDied("the engine died during weight sync")
+
+    member.sync_weights = dying
+
+
+def test_a_member_that_dies_in_its_sync_restarts_in_the_background_and_is_skipped():
     async def scenario():
         backend, members = replica_backend(2)
-        members[0].sync_error = EngineDied("weight sync failed 3 times")
+        await backend.wait_ready()
+        assert [m.sync_attempts for m in members] == [1, 1]  # no member retries inline
+        dies_in_sync(members[0])
+        members[0].restart_gate = asyncio.Event()
         members[1].sync_gate = asyncio.Event()
         sync = asyncio.ensure_future(backend.sync_weights([], 2, "keep"))
         await members[1].sync_entered.wait()
         await asyncio.sleep(0.01)
-        assert not sync.done()  # it waits for member 1 even though member 0 failed
+        assert not sync.done()  # it waits for member 1
         members[1].sync_gate.set()
-        with pytest.raises(EngineDied, match="engine replica 0: weight sync failed 3 times"):
-            await sync
+        await sync  # member 0's death does not fail the sync
+        assert [m.synced for m in members] == [[], [2]]
+        assert not backend.client.counts[0].up and backend.client.counts[1].up
+        members[0].restart_gate.set()
+        await settle(backend)
+        assert members[0].restarts == 1
+        assert await backend.revive() is True  # back, without the weights: re-send them
+        await backend.sync_weights([], 2, "keep")
+        assert backend.client.counts[0].up and members[0].synced == [2]
+
+    asyncio.run(scenario())
+
+
+def test_a_member_that_dies_in_its_sync_and_cannot_come_back_ends_the_run():
+    async def scenario():
+        backend, members = replica_backend(2)
+        dies_in_sync(members[0])
+        members[0].cannot_restart = True
+        await backend.sync_weights([], 2, "keep")
+        await settle(backend)
+        with pytest.raises(EngineDied, match="engine replica 0: the engine could not be"):
+            await backend.sync_weights([], 3, "keep")
         assert members[1].synced == [2]
 
     asyncio.run(scenario())

@@ -167,11 +167,11 @@ async def sync_until_landed(
     (`EngineLostInSync`) repeats it; a stall (`SyncTimeout`) goes to `on_stall`, which kills
     the engine (the next attempt restarts it) or raises; an HTTP failure goes to
     `on_refused(exc, attempt)`, which raises, or returns to repeat the sync when the
-    engine died under it. After `SYNC_ATTEMPTS` attempts, `EngineDied` names `engine`
-    and its `log`.
+    engine died under it. After `backend.sync_attempts` attempts, `EngineDied` names
+    `engine` and its `log`.
     """
     timeout_s = backend.cfg.sync_timeout_s
-    for attempt in range(SYNC_ATTEMPTS):
+    for attempt in range(backend.sync_attempts):
         await backend.revive()
         try:
             return await publish(
@@ -191,6 +191,6 @@ async def sync_until_landed(
         except (EngineUnavailable, EngineRefused) as exc:
             await on_refused(exc, attempt)
     raise EngineDied(
-        f"weight sync failed {SYNC_ATTEMPTS} times: {engine} died or missed "
+        f"weight sync failed {backend.sync_attempts} times: {engine} died or missed "
         f"engine.sync_timeout_s ({timeout_s:g} s) each time; see {log or 'its log'}"
     )

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from pathlib import Path
 
-from asyncgrpo.backend.base import NamedTensors, sync_until_landed
+from asyncgrpo.backend.base import SYNC_ATTEMPTS, NamedTensors, sync_until_landed
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import RetryPolicy
 from asyncgrpo.config import EmbeddedEngineConfig
@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 class EmbeddedBackend:
     """An `asyncgrpo serve` child process on a loopback port, restarted when it dies."""
+
+    sync_attempts = SYNC_ATTEMPTS  # a sync the engine's death interrupts is repeated
 
     def __init__(self, cfg: EmbeddedEngineConfig, log_path: Path | None = None, process=None):
         """`process`: what runs the engine, if not a child process here (an engine on a

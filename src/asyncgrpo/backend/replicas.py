@@ -6,8 +6,10 @@ interrupted. This class adds what only the set needs:
 
 - routing: `client` is a `client.router.RoutedClient` over the members'
   clients (least outstanding work, episode affinity);
-- weight syncs go to every member at once; a member's own troubles stay its
-  own (it restarts and repeats its sync), and only its `EngineDied` ends the run;
+- weight syncs go to every member at once, each tried once: a member that dies
+  or stalls in its sync is restarted in the background and skipped (the run
+  lands syncs while the trainer steps, `session/engine_link.py`, so a death can
+  come in any sync), and only a member that cannot come back ends the run;
 - a health watcher on the rollout loop probes every member each
   `health_period_s` (and so do `revive` and `sync_weights`). A member that
   fails is taken out of routing and restarted in the background at once, so
@@ -49,6 +51,8 @@ class ReplicaBackend:
         if not members:
             raise ValueError("ReplicaBackend needs at least one member backend")
         self.members = list(members)
+        for member in self.members:  # one that fails its sync restarts in the background
+            member.sync_attempts = 1
         self.client = RoutedClient([m.client for m in self.members])
         self.health_period_s = health_period_s
         self._healthy = [True] * len(self.members)
@@ -101,7 +105,7 @@ class ReplicaBackend:
         results = await asyncio.gather(*syncs, return_exceptions=True)
         self._version = version  # with what each member holds, before anything awaits
         for i, result in zip(ready, results, strict=True):
-            if not isinstance(result, BaseException):
+            if result is True:
                 self._held[i], self._synced_restarts[i] = version, self.members[i].restarts
         for i in self._ids():
             self._route(i)
@@ -122,11 +126,17 @@ class ReplicaBackend:
 
     # ---- inside ---------------------------------------------------------------------
 
-    async def _sync_member(self, i: int, weights: NamedTensors, version: int, mode: str) -> None:
+    async def _sync_member(self, i: int, weights: NamedTensors, version: int, mode: str) -> bool:
+        """True when member `i` holds the weights; one that died or stalled in its sync is
+        restarted in the background instead (`revive` then has the weights re-sent)."""
         try:
             await self.members[i].sync_weights(weights, version, mode)
         except EngineDied as exc:
-            raise EngineDied(f"engine replica {i}: {exc}") from exc
+            logger.warning("engine replica %d: %s; restarting it in the background", i, exc)
+            if i not in self._restarting:
+                self._restarting[i] = asyncio.create_task(self._restart(i))
+            return False
+        return True
 
     async def _watch(self) -> None:
         while True:

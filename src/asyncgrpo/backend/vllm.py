@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from asyncgrpo.backend.base import NamedTensors, sync_until_landed
+from asyncgrpo.backend.base import SYNC_ATTEMPTS, NamedTensors, sync_until_landed
 from asyncgrpo.client import EngineClient
 from asyncgrpo.client.retry import RetryPolicy
 from asyncgrpo.config import ConfigError, VLLMEngineConfig
@@ -61,6 +61,8 @@ DEATH_POLL_S = 0.25
 
 class VLLMBackend:
     """One vLLM server (launched, or attached to at `cfg.base_url`) and its weight sync."""
+
+    sync_attempts = SYNC_ATTEMPTS  # a sync the engine's death interrupts is repeated
 
     def __init__(
         self,

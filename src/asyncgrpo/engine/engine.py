@@ -330,7 +330,9 @@ class Engine(_EngineThread):
 
     def _serve_forever(self) -> None:
         while not self._stop:
-            _run_commands(self._commands)
+            if not self._commands.empty():  # a weight update copies 100s of MB: the core is
+                self._busy_flag.set(True)  # ours, even when paused (core_share.py)
+                _run_commands(self._commands)
             if not self.scheduler.busy:
                 self._release_pause_waiters()
             if not self._has_work():

@@ -4,11 +4,19 @@ A weight sync publishes the trainer's weights, then tells the buffer the
 engine's new version (its admission throttle counts from it). An engine that
 restarted holds its initial weights, so `revive` sends the current ones again.
 An engine that cannot start, or will not come back, aborts the run.
+
+Where the weights live in host memory, the trainer only copies them into a
+snapshot and goes on training while the sync lands in the background (the next
+sync, `settle` or `landed` wait for it). On a 2-core CPU a float32 sync of
+SmolLM2-135M kept the trainer 0.37 s of each ~6 s step; the copy takes a
+fraction of that. Weights on a GPU are published in place, as before: a
+snapshot there would cost a second copy of the model in device memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from typing import Any
@@ -24,6 +32,8 @@ from asyncgrpo.session.activity import Activity
 from asyncgrpo.trainer.base import Trainer
 
 logger = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 30.0  # how long closing waits for a sync in flight
 
 
 class EngineLink:
@@ -48,6 +58,8 @@ class EngineLink:
         self.sync_mode = sync_mode
         self.weight_sync_s = 0.0  # the last sync's duration, as the trainer saw it
         self.restarts_before = 0  # engine restarts of the sessions this one resumes
+        self.snapshot = WeightSnapshot()
+        self._pending: concurrent.futures.Future | None = None  # the sync in flight
 
     @property
     def restarts(self) -> int:
@@ -64,20 +76,49 @@ class EngineLink:
                 raise RunAborted(f"the engine did not start: {exc}") from None
 
     def sync_weights(self) -> None:
-        """Publish the trainer's weights; the engine's version becomes the trainer's."""
+        """Publish the trainer's weights; the engine's version becomes the trainer's once
+        they land. Blocks until the last sync landed and this one's weights are copied."""
+        self.settle()
         start = time.monotonic()
         version = self.trainer.version
-        weights = list(self.trainer.named_weights(self.weight_dtype))
         with self.activity.doing(f"weight sync of version {version}", span="weight_sync"):
-            try:
-                self.loop.run(self.engine.sync_weights(weights, version, self.sync_mode))
-            except EngineDied as exc:
-                raise RunAborted(str(exc)) from exc
-        self.buffer.set_engine_version(version)
+            weights = self.snapshot.take(self.trainer.named_weights(self.weight_dtype))
+            self._pending = self.loop.submit(self._publish(weights, version))
+            if not self.snapshot.taken:  # the weights are the trainer's own: wait
+                self.settle()
         self.weight_sync_s = time.monotonic() - start
 
+    async def _publish(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+        await self.engine.sync_weights(weights, version, self.sync_mode)
+        self.buffer.set_engine_version(version)
+
+    def settle(self) -> None:
+        """Wait until the last sync landed; one that failed for good aborts the run."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not pending.done():
+            with self.activity.doing("waiting for the last weight sync to land"):
+                concurrent.futures.wait([pending])
+        try:
+            pending.result()
+        except EngineDied as exc:
+            raise RunAborted(str(exc)) from exc
+
+    async def landed(self) -> None:
+        """On the rollout loop: wait until the last sync started has landed or failed (the
+        trainer hears of a failure in `settle`)."""
+        pending = self._pending
+        if pending is not None:
+            await asyncio.gather(asyncio.wrap_future(pending), return_exceptions=True)
+
     def revive(self) -> None:
-        """Restart a dead engine (the backend decides), then send it the current weights."""
+        """Restart a dead engine (the backend decides), then send it the current weights.
+        A sync in flight revives the engine itself, and repeats."""
+        if self._pending is not None:
+            if not self._pending.done():
+                return
+            self.settle()  # raises what it failed with
         try:
             revived = self.loop.run(self.engine.revive())
         except EngineDied as exc:
@@ -92,10 +133,49 @@ class EngineLink:
         return getattr(self.engine, "sync_timings", {}).get("pause_s")
 
     def close(self) -> None:
+        """Close the engine, after a sync in flight (one that fails is not this one's to
+        report: the run is over)."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending], timeout=CLOSE_WAIT_S)
         try:
             self.loop.run(self.engine.close(), timeout=30)
         except Exception:
             logger.exception("closing the engine failed")
+
+
+class WeightSnapshot:
+    """Copies of the trainer's weights that a sync in flight reads while the trainer's own
+    tensors change. The buffers are allocated once and reused, so only the first sync pays
+    for their pages; tied tensors share one."""
+
+    def __init__(self) -> None:
+        self.taken = False  # whether the last `take` copied (not for weights on a GPU)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, named: Any) -> list[tuple[str, torch.Tensor]]:
+        """`named`, (name, tensor) pairs, copied into the snapshot when all are in host
+        memory; otherwise the pairs themselves."""
+        pairs = list(named)
+        self.taken = all(t.device.type == "cpu" for _, t in pairs)
+        if not self.taken:
+            return pairs
+        copied: dict[tuple, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, tensor in pairs:
+                if _identity(tensor) not in copied:
+                    copied[_identity(tensor)] = self._buffer(name, tensor).copy_(tensor)
+        return [(name, copied[_identity(t)]) for name, t in pairs]
+
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+            buffer = self._buffers[name] = torch.empty(like.shape, dtype=like.dtype)
+        return buffer
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    """Equal for two views of the same elements (a tied embedding and head)."""
+    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()
 
 
 async def record_engine_busy(client: Any, tracker: Any, period: float = 0.5) -> None:
