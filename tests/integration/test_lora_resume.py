@@ -70,6 +70,7 @@ def engine_greedy_after_first_sync(monkeypatch) -> dict:
         original(r)
         if served:
             return
+        r.settle()  # the sync lands in the background: ask once it has
 
         async def ask() -> None:
             served["version"] = await r.engine.client.weight_version()
