@@ -4,9 +4,10 @@ Every `eval_steps` (and before the first step, and at the end) the held-out
 rows are sampled through the run's `GroupBuilder` (`evaluate`: greedy
 completions for single-turn runs, episodes for agent runs) on the rollout loop,
 with the weights of the last sync (it waits for one still landing); the result is
-logged with the step it started at once it is done. At most one evaluation runs at a time, and a step
-the run directory already holds an evaluation of (a resumed run starts at its
-checkpoint's step, often one that was evaluated) is not evaluated again.
+logged with the step it started at once it is done. At most one evaluation runs
+at a time, and a step the run directory already holds an evaluation of (a
+resumed run starts at its checkpoint's step, often one that was evaluated) is
+not evaluated again.
 
 Each result says how it sampled (`eval_decoding`: "greedy", or "sampled" for
 agent episodes), so plots can say so next to the train reward, which is sampled.

@@ -82,18 +82,26 @@ def test_borrowing_applies_to_one_local_embedded_engine_and_one_trainer_process(
     assert not may_borrow(cfg(engine={"type": "external", "base_url": "http://127.0.0.1:1"}))
 
 
-def test_the_engine_publishes_busy_while_it_computes(tiny_model_dir, monkeypatch):
+def engine_recording_busy(model_dir, monkeypatch, part: str, method: str):
+    """An engine sharing a fresh flag, and the flag's value at each call of `part.method`
+    (`part`: an attribute of the engine); the engine is not started."""
     flag = BusyFlag.create()
     monkeypatch.setenv(BUSY_FILE_ENV, str(flag.path))
-    engine = Engine(EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32"))
+    engine = Engine(EmbeddedEngineConfig(model=str(model_dir), dtype="float32"))
     during: list[bool] = []
-    step = engine.scheduler.step
+    target = getattr(engine, part)
+    original = getattr(target, method)
 
-    def recording_step(*args, **kwargs):
+    def recording(*args, **kwargs):
         during.append(flag.busy)
-        return step(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    engine.scheduler.step = recording_step
+    setattr(target, method, recording)
+    return engine, flag, during
+
+
+def test_the_engine_publishes_busy_while_it_computes(tiny_model_dir, monkeypatch):
+    engine, flag, during = engine_recording_busy(tiny_model_dir, monkeypatch, "scheduler", "step")
     engine.start()
     try:
 
@@ -117,17 +125,9 @@ def test_the_engine_publishes_busy_while_it_writes_a_weight_update_when_paused(
 ):
     """A weight sync that lands while the trainer steps (`session/engine_link.py`) copies
     the weights on the engine's core: the trainer must not count that core as idle."""
-    flag = BusyFlag.create()
-    monkeypatch.setenv(BUSY_FILE_ENV, str(flag.path))
-    engine = Engine(EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32"))
-    during: list[bool] = []
-    changed = engine.runner.weights_changed
-
-    def recording(*args, **kwargs):
-        during.append(flag.busy)
-        return changed(*args, **kwargs)
-
-    engine.runner.weights_changed = recording
+    engine, _, during = engine_recording_busy(
+        tiny_model_dir, monkeypatch, "runner", "weights_changed"
+    )
     engine.start()
     try:
 

@@ -159,12 +159,15 @@ class WeightSnapshot:
         self.taken = all(t.device.type == "cpu" for _, t in pairs)
         if not self.taken:
             return pairs
-        copied: dict[tuple, torch.Tensor] = {}
+        copied: dict[tuple, torch.Tensor] = {}  # by `_identity`: tied tensors copy once
+        out = []
         with torch.no_grad():
             for name, tensor in pairs:
-                if _identity(tensor) not in copied:
-                    copied[_identity(tensor)] = self._buffer(name, tensor).copy_(tensor)
-        return [(name, copied[_identity(t)]) for name, t in pairs]
+                key = _identity(tensor)
+                if key not in copied:
+                    copied[key] = self._buffer(name, tensor).copy_(tensor)
+                out.append((name, copied[key]))
+        return out
 
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(name)
