@@ -20,11 +20,12 @@ auto`), ending when the device's work is done.
 The ceiling is measured in the same run: a plain matmul of the model's largest linear
 layer at a micro-batch's rows, in the compute dtype (`matmul TFLOP/s`), and a large
 square one (`peak`). `mfu` is the batch's minimal work over the step time over the
-model-shape matmul rate. Minimal work counts each group's prompt once and no padding
-(so both systems are measured against the same FLOPs, and sharing or padding never
-inflates it): 6 FLOPs per linear weight per input token, the LM head's 6·V·d for each
-row that predicts a completion token, and attention's 12·d_q per (query, key) pair of
-the causal context, per layer. Tokens/s counts every sequence's prompt and completion
+model-shape matmul rate. Minimal work counts each group's prompt once, the prefix that
+every prompt begins with (`--shared-prefix`, a system prompt) once in all, and no
+padding (so both systems are measured against the same FLOPs, and sharing or padding
+never inflates it): 6 FLOPs per linear weight per input token, the LM head's 6·V·d for
+each row that predicts a completion token, and attention's 12·d_q per (query, key) pair
+of the causal context, per layer. Tokens/s counts every sequence's prompt and completion
 tokens, as a user reads a batch.
 
 Steps alternate between the systems (after warm-ups) so drifts in machine load hit both;
@@ -64,6 +65,12 @@ def add_batch_arguments(ap, shape="smollm2-135m", micro_batch_tokens=4096, group
     ap.add_argument("--groups", type=int, default=groups)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="the first this many prompt tokens are the same in every group (a system prompt)",
+    )
     ap.add_argument("--completion-min", type=int, default=32)
     ap.add_argument("--completion-max", type=int, default=256)
 
@@ -118,9 +125,10 @@ def make_groups(args, vocab: int, seed: int):
     from asyncgrpo.rollout.types import Group, Rollout
 
     rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(min(args.shared_prefix, args.prompt_len))]
     groups = []
     for g in range(args.groups):
-        prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
+        prompt = shared + [rng.randrange(vocab) for _ in range(args.prompt_len - len(shared))]
         rollouts = []
         for i in range(args.group_size):
             n = rng.randint(args.completion_min, args.completion_max)
@@ -132,12 +140,16 @@ def make_groups(args, vocab: int, seed: int):
     return groups
 
 
-def minimal_flops(model, groups) -> float:
-    """The FLOPs a training step on `groups` needs at least (module docstring)."""
+def minimal_flops(model, groups, shared_prefix: int = 0) -> float:
+    """The FLOPs a training step on `groups` needs at least (module docstring); the
+    `shared_prefix` tokens that begin every prompt count once."""
     cfg = model.config
     body, head = linear_weights(cfg)
     q_dim = cfg.num_attention_heads * head_dim(cfg)
-    inputs = head_rows = pairs = 0
+    repeats = max(0, len(groups) - 1) * shared_prefix
+    inputs = -repeats
+    pairs = -(repeats * (shared_prefix + 1) // 2)
+    head_rows = 0
     for group in groups:
         prompt = len(group.rollouts[0].prompt_ids)
         inputs += prompt
@@ -300,7 +312,7 @@ def summarise(args, seconds, model, ceiling, vocab: int) -> list[dict]:
     flops, tokens = [], []
     for k in range(args.steps):
         groups = make_groups(args, vocab, k)
-        flops.append(minimal_flops(model, groups))
+        flops.append(minimal_flops(model, groups, args.shared_prefix))
         tokens.append(
             sum(len(r.prompt_ids) + len(r.completion_ids) for g in groups for r in g.rollouts)
         )

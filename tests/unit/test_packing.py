@@ -14,6 +14,7 @@ from asyncgrpo.trainer.packing import (
     pad_ragged,
     plan_micro_batches,
 )
+from asyncgrpo.trainer.prompt_tree import MIN_SAVED_ROWS
 
 VOCAB = 300
 TEMPERATURE = 0.7
@@ -38,6 +39,26 @@ def grpo_like_batch():
     seqs = [p1 + rand(6), p1 + rand(1), p1 + rand(11), rand(13), p2 + rand(3), p2 + rand(8)]
     seqs.append(rand(5))
     prompts = [9, 9, 9, 6, 4, 4, 2]
+    return seqs, prompts
+
+
+def prompt_tree_batch():
+    """Prompts that share prefixes across groups, by hand: a 20-token system run shared by
+    six prompts; prompt C extends prompt A; L3's prompt is the system run itself; group D's
+    completions are single tokens; L2 shares nothing."""
+    g = torch.Generator().manual_seed(5)
+
+    def rand(n):
+        return torch.randint(100, VOCAB, (n,), generator=g).tolist()
+
+    system = list(range(10, 30))
+    a, b, d = system + list(range(30, 36)), system + list(range(40, 44)), system + [70, 71]
+    c, l1 = a + [50, 51, 52], system + list(range(60, 65))
+    seqs = [a + rand(5), b + rand(3), c + rand(4), a + rand(1), l1 + rand(6), [80, 81, 82]]
+    seqs += [rand(4), system + rand(5), b + rand(9), d + rand(1), a + rand(7), c + rand(2)]
+    seqs += [d + rand(1)]
+    seqs[5] = seqs[5] + seqs.pop(6)  # L2: a 3-token prompt and a 4-token completion
+    prompts = [26, 24, 29, 26, 25, 3, 20, 24, 22, 26, 29, 22]
     return seqs, prompts
 
 
@@ -70,14 +91,15 @@ def grads(model):
     return out
 
 
+@pytest.mark.parametrize("batch", [grpo_like_batch, prompt_tree_batch])
 @pytest.mark.parametrize(
     "share_prefix,attention", [(False, "segments"), (True, "segments"), (True, "mask")]
 )
 def test_packed_logprobs_entropy_and_gradients_match_padded_forward(
-    models, share_prefix, attention
+    models, batch, share_prefix, attention
 ):
     reference, packed = models
-    seqs, prompts = grpo_like_batch()
+    seqs, prompts = batch()
     want_lp, want_ent = padded_reference(reference, seqs, prompts)
     weighted_loss(want_lp, want_ent).backward()
     want_grads = grads(reference)
@@ -136,6 +158,41 @@ def test_shared_prefix_layout_stores_the_prompt_once_and_continues_positions():
     mask = shared.block_mask()[0, 0]
     assert mask[5].tolist() == [True, True, True, False, False, True, False, False]
     assert not mask[6, :6].any() and mask[7, 6:].all()
+
+
+def test_prompts_sharing_a_prefix_store_it_once_and_continue_its_positions():
+    seqs, prompts = prompt_tree_batch()
+    packed = pack_sequences(seqs, prompts)
+    # the system run once (20), the rest of A (6), C behind A (3), B (4), D (2), L1's rest
+    # with its completion (5 + 5), L2 alone (3 + 3), then completions without their last
+    # token: A 4 + 0 + 6, B 2 + 8, C 3 + 1, L3 4, D 0 + 0 (185 rows unshared across groups)
+    assert packed.input_ids.shape[1] == 20 + 6 + 3 + 4 + 2 + 10 + 6 + 10 + 10 + 4 + 4 == 79
+    assert packed.input_ids[0, :20].tolist() == list(range(10, 30))
+    ids = packed.input_ids[0].tolist()
+    a_rest = next(seg for seg in packed.segments if ids[seg.start] == 30)
+    assert ids[a_rest.start : a_rest.end] == list(range(30, 36)) and a_rest.prefix == 0
+    assert packed.position_ids[0, a_rest.start : a_rest.end].tolist() == list(range(20, 26))
+    # L3's prompt is the system run: its first token is predicted by the run's last row
+    assert packed.rows[sum(packed.counts[:6])].item() == 19
+    # C's rest attends to the system run and the rest of A, and to nothing else before it
+    c_rest = next(seg for seg in packed.segments if ids[seg.start] == 50)
+    assert packed.segments[c_rest.prefix] == a_rest
+    mask = packed.block_mask()[0, 0]
+    before = mask[c_rest.start, : c_rest.start]
+    assert before.nonzero().flatten().tolist() == [*range(20), *range(a_rest.start, a_rest.end)]
+
+
+def test_a_short_shared_run_stays_in_each_prompt():
+    """Two prompts sharing 3 tokens save 3 rows: below MIN_SAVED_ROWS, so not split off."""
+    seqs = [[1, 2, 3, 4, 5, 9, 9], [1, 2, 3, 6, 7, 8, 8], [1, 2, 3, 4, 5, 7, 7]]
+    packed = pack_sequences(seqs, [5, 5, 5])
+    assert MIN_SAVED_ROWS > 3
+    assert [(s.start, s.end, s.prefix) for s in packed.segments] == [
+        (0, 5, None),  # 1 2 3 4 5: the prompt of sequences 0 and 2
+        (5, 6, 0),
+        (6, 7, 0),
+        (7, 13, None),  # sequence 1 alone: 1 2 3 6 7 | 8
+    ]
 
 
 def test_sequences_without_completion_tokens_get_empty_logprobs(models):
@@ -276,3 +333,23 @@ def test_merged_completions_attend_as_the_unmerged_ones():
     want_grads = torch.autograd.grad(want, (q, k, v), upstream)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), upstream), want_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_merging_leaves_alone_the_segments_other_segments_continue():
+    """In a prompt tree a segment can be both behind a prefix and the prefix of others;
+    merged, the tree's attention is unchanged."""
+    from asyncgrpo.trainer.segments import attend_segments, merge_completions
+
+    seqs, prompts = prompt_tree_batch()
+    packed = pack_sequences(seqs, prompts)
+    merged = merge_completions(packed.segments)
+    assert len(merged) < len(packed.segments)
+    parents = {packed.segments[s.prefix] for s in packed.segments if s.prefix is not None}
+    kept = {(s.start, s.end) for s in merged}
+    assert all((p.start, p.end) in kept for p in parents)
+    n = packed.input_ids.shape[1]
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 4, n, 8, generator=g, requires_grad=True) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=packed.block_mask())
+    torch.testing.assert_close(attend_segments(q, k, v, merged, 0.0, None), want)
+    torch.testing.assert_close(attend_segments(q, k, v, packed.segments, 0.0, None), want)

@@ -71,9 +71,24 @@ def shared_prompt_batch():
     return pack_sequences(seqs, [7, 4, 7, 3, 7, 3, 2])
 
 
+def prompt_tree_batch():
+    """Prompts sharing a 17-token run, one extending another: segments two prompts deep."""
+    run = list(range(1, 18))
+    p1, p2 = run + [20, 21], run + [30]
+    p3 = p1 + [40, 41]
+    seqs = [p1 + [5, 6], p2 + [7, 8, 9], p3 + [10], p1 + [11, 12, 13], p3 + [14, 15], p2 + [16]]
+    packed = pack_sequences(seqs, [19, 18, 21, 19, 21, 18])
+    assert any(
+        seg.prefix is not None and packed.segments[seg.prefix].prefix is not None
+        for seg in packed.segments
+    ), "no segment two prompts deep"
+    return packed
+
+
+@pytest.mark.parametrize("batch", [shared_prompt_batch, prompt_tree_batch])
 @pytest.mark.parametrize("scaling", [None, 0.2])
-def test_varlen_layout_equals_the_block_mask_attention(kernel, scaling):
-    packed = shared_prompt_batch()
+def test_varlen_layout_equals_the_block_mask_attention(kernel, scaling, batch):
+    packed = batch()
     assert any(seg.prefix is not None for seg in packed.segments), "no shared prompt to test"
     n = packed.input_ids.shape[1]
     g = torch.Generator().manual_seed(1)

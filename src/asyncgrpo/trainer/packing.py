@@ -10,7 +10,8 @@ here every micro-batch is one packed row of real tokens:
   ids are laid out as the prompt ONCE followed by each completion; a completion
   attends to the shared prompt plus its own earlier tokens, and its positions
   continue from the prompt length. G·(P+C) tokens become P+G·C; by causality the
-  log-probs and gradients are those of the unshared sequences;
+  log-probs and gradients are those of the unshared sequences. Prompts that begin
+  alike (a system prompt) share that beginning as well (`prompt_tree.py`);
 - the last token of every sequence is never an input (it predicts nothing), and
   the LM head runs only on rows that predict a completion token.
 
@@ -39,8 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from asyncgrpo.trainer.logprobs import DEFAULT_CHUNK_ROWS, lm_head_token_logprobs
+from asyncgrpo.trainer.prompt_tree import lay_out, prompt_tree
 from asyncgrpo.trainer.segments import (
     Segment,
+    ancestry,
     attend_segments,
     merge_completions,
     prefix_causal_mask,
@@ -70,13 +73,13 @@ class PackedBatch:
         """The equivalent dense boolean mask (1, 1, N, N); True = may attend."""
         n, device = self.input_ids.shape[1], self.input_ids.device
         mask = torch.zeros(n, n, dtype=torch.bool, device=device)
-        for seg in self.segments:
+        for seg, chain in zip(self.segments, ancestry(self.segments), strict=True):
             length = seg.end - seg.start
             mask[seg.start : seg.end, seg.start : seg.end] = torch.ones(
                 length, length, dtype=torch.bool, device=device
             ).tril()
-            if seg.prefix is not None:
-                prompt = self.segments[seg.prefix]
+            for a in chain:
+                prompt = self.segments[a]
                 mask[seg.start : seg.end, prompt.start : prompt.end] = True
         return mask[None, None]
 
@@ -119,34 +122,23 @@ def pack_sequences(
     segments: list[Segment] = []
     rows: list[list[int]] = [[] for _ in seqs]
 
-    def append(tokens, first_position, prefix: int | None = None) -> int:
+    def append(tokens, first_position, prefix: int | None = None) -> tuple[int, int]:
         start = len(ids)
         ids.extend(tokens)
         positions.extend(range(first_position, first_position + len(tokens)))
-        if tokens:
-            mask = None
-            if prefix is not None and segment_masks:
-                mask = prefix_causal_mask(len(tokens), first_position, device)
-            segments.append(Segment(start, len(ids), prefix, mask))
-        return start
+        mask = None
+        if prefix is not None and segment_masks:
+            mask = prefix_causal_mask(len(tokens), first_position, device)
+        segments.append(Segment(start, len(ids), prefix, mask))
+        return len(segments) - 1, start
 
-    for group in _prompt_groups(seqs, prompt_lengths, share_prefix):
-        p = prompt_lengths[group[0]]
-        if len(group) == 1:
-            seq = list(seqs[group[0]])
-            if len(seq) == p:
-                continue
-            start = append(seq[:-1], 0)
-            rows[group[0]] = list(range(start + p - 1, start + len(seq) - 1))
-            continue
-        prompt_start = append(list(seqs[group[0]][:p]), 0)
-        prefix = len(segments) - 1
-        for i in group:
-            completion = list(seqs[i][p:])
-            if not completion:
-                continue
-            start = append(completion[:-1], p, prefix)
-            rows[i] = [prompt_start + p - 1, *range(start, start + len(completion) - 1)]
+    groups = _prompt_groups(seqs, prompt_lengths, share_prefix)
+    prompts = [seqs[group[0]][: prompt_lengths[group[0]]] for group in groups]
+    if share_prefix:
+        lay_out(prompt_tree(prompts, groups), seqs, append, rows)
+    else:  # each sequence alone: its own tree
+        for prompt, group in zip(prompts, groups, strict=True):
+            lay_out(prompt_tree([prompt], [group]), seqs, append, rows)
     return PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),

@@ -29,14 +29,24 @@ MERGED_ROWS = 128
 @dataclass(frozen=True)
 class Segment:
     """Rows [start, end) of the packed row: causal among themselves, plus full
-    attention to every row of segment number `prefix` (a shared prompt), if set. With
-    a prefix, `mask` says which (prefix + own) keys each row attends to: a causal block
-    for one completion, block-diagonal causal blocks for merged ones."""
+    attention to every row of segment number `prefix` (a shared prompt or part of one),
+    if set, and to that segment's own prefixes in turn (`ancestry`). With a prefix,
+    `mask` says which (prefixes + own) keys each row attends to: a causal block for one
+    completion, block-diagonal causal blocks for merged ones."""
 
     start: int
     end: int
     prefix: int | None = None
     mask: torch.Tensor | None = None  # (end-start, prefix length + end-start) bool, with a prefix
+
+
+def ancestry(segments: Sequence[Segment]) -> list[tuple[int, ...]]:
+    """Per segment, the segments it attends to in full, outermost first (a segment's
+    prefix always comes before it in the row)."""
+    chains: list[tuple[int, ...]] = []
+    for seg in segments:
+        chains.append(() if seg.prefix is None else (*chains[seg.prefix], seg.prefix))
+    return chains
 
 
 def prefix_causal_mask(length: int, prefix: int, device: torch.device) -> torch.Tensor:
@@ -55,7 +65,8 @@ def merge_completions(
     them instead of 8 computes ~2x the scores it keeps (each row also scores its
     siblings' keys, masked), but the calls, not the arithmetic, are what cost there."""
     out: list[Segment] = []
-    renumbered: dict[int, int] = {}  # a prompt's index in `segments` -> in `out`
+    renumbered: dict[int, int] = {}  # a prefix's index in `segments` -> in `out`
+    parents = {seg.prefix for seg in segments}
     run: list[Segment] = []
 
     def flush() -> None:
@@ -66,10 +77,11 @@ def merge_completions(
             run.clear()
 
     for i, seg in enumerate(segments):
-        if seg.prefix is None or seg.mask is None:
+        if seg.prefix is None or seg.mask is None or i in parents:
             flush()
             renumbered[i] = len(out)
-            out.append(seg)
+            prefix = None if seg.prefix is None else renumbered[seg.prefix]
+            out.append(Segment(seg.start, seg.end, prefix, seg.mask))
             continue
         # segments are contiguous: the run and this one span rows run[0].start .. seg.end
         if run and (run[0].prefix != seg.prefix or seg.end - run[0].start > max_rows):
@@ -122,11 +134,11 @@ def _sdpa_segments(query, key, value, packed_segments, dropout, scaling) -> torc
     sizes = [seg.end - seg.start for seg in packed_segments]
     queries, keys, values = (t.split(sizes, dim=2) for t in (query, key, value))
     outputs = []
-    for i, seg in enumerate(packed_segments):
+    for i, (seg, chain) in enumerate(zip(packed_segments, ancestry(packed_segments), strict=True)):
         k, v = keys[i], values[i]
-        if seg.prefix is not None:
-            k = torch.cat([keys[seg.prefix], k], dim=2)
-            v = torch.cat([values[seg.prefix], v], dim=2)
+        if chain:
+            k = torch.cat([*(keys[a] for a in chain), k], dim=2)
+            v = torch.cat([*(values[a] for a in chain), v], dim=2)
         outputs.append(
             F.scaled_dot_product_attention(
                 queries[i],

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncgrpo.trainer.segments import ancestry
+
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -75,14 +77,13 @@ def varlen_dtype(query: torch.Tensor) -> torch.dtype | None:
 
 def varlen_layout(segments: Sequence, device: torch.device) -> VarlenLayout:
     """The gather and scatter indices of `segments` (`packing.Segment`, contiguous and in
-    order): one varlen sequence per segment, a completion's prompt rows in front."""
+    order): one varlen sequence per segment, the rows of the prompt it continues in front."""
     gather: list[int] = []
     scatter: list[int] = []
     offsets = [0]
-    for seg in segments:
-        if seg.prefix is not None:
-            prompt = segments[seg.prefix]
-            gather.extend(range(prompt.start, prompt.end))
+    for seg, chain in zip(segments, ancestry(segments), strict=True):
+        for a in chain:
+            gather.extend(range(segments[a].start, segments[a].end))
         scatter.extend(range(len(gather), len(gather) + seg.end - seg.start))
         gather.extend(range(seg.start, seg.end))
         offsets.append(len(gather))
