@@ -9,11 +9,13 @@ attention's variable-length kernel (`torch.nn.attention.varlen`) attends within 
 sequence of a concatenation in one launch, so the work is Σ Lᵢ².
 
 A completion behind a shared prompt attends to that prompt, which lies elsewhere in the
-row. Here each such segment is gathered as [its prompt's rows, its own rows] into one
-varlen sequence: every sequence is then plain causal and square (where the kernel's
-causal alignment is unambiguous), and the segment's outputs are the tail of its
-sequence. The prompt's own rows come from the prompt's segment; the copies gathered in
-front of each completion compute P² extra scores each and are discarded.
+row (and the prompt, in turn, to a beginning it shares with other prompts:
+`prompt_tree.py`). Here each such segment is gathered as [its prefixes' rows, outermost
+first, then its own rows] into one varlen sequence: every sequence is then plain causal
+and square (where the kernel's causal alignment is unambiguous), and the segment's
+outputs are the tail of its sequence. The prompt's own rows come from the prompt's
+segment; the copies gathered in front of each completion compute P² extra scores each
+and are discarded.
 
 `trainer.attention: auto` picks it on a GPU under autocast. Measured on an H100
 (`benchmarks/trainer_speed.py`, Qwen2.5-0.5B's shape, 16,384-token micro-batches, one
