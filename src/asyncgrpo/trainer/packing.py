@@ -79,8 +79,8 @@ class PackedBatch:
                 length, length, dtype=torch.bool, device=device
             ).tril()
             for a in chain:
-                prompt = self.segments[a]
-                mask[seg.start : seg.end, prompt.start : prompt.end] = True
+                ancestor = self.segments[a]
+                mask[seg.start : seg.end, ancestor.start : ancestor.end] = True
         return mask[None, None]
 
 

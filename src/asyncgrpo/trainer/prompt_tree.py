@@ -8,9 +8,9 @@ that several prompts share becomes one segment of the row that each of them atte
 its positions continuing where the run before it ended. By causality the log-probs and
 gradients are those of the unshared sequences.
 
-A shared run costs one more attention call per layer on a CPU (`segments.py`) and saves
-its length once per extra prompt, so runs that save fewer than `MIN_SAVED_ROWS` rows
-stay in each prompt's own segment. The G completions of a prompt always share it, as
+A shared run's own segment costs a few more attention calls per layer on a CPU
+(`segments.py`) and saves its length once per extra prompt, so runs that save fewer than
+`MIN_SAVED_ROWS` rows stay in each prompt's own segment. The G completions of a prompt always share it, as
 before. Measured on the default recipe: its 38-token prompts share 25 (system prompt and
 "Describe"), so a step of 4 prompts x 8 completions feeds 15% fewer rows.
 """
