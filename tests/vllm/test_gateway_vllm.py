@@ -233,20 +233,28 @@ class TestGatewayOverVLLM:
         asyncio.run(scenario())
 
     def test_versions_follow_vllms_weight_label_and_split_mid_completion(self, gateway, upstream):
-        """vLLM relabels its weights (pause keep, new label, resume) every 0.2 s while one
-        long request runs: each completion's versions change inside it, never go back."""
+        """vLLM relabels its weights (pause keep, new label, resume) after every 40 tokens of
+        each of 16 running completions: their versions change inside them, never go back.
+        Relabelling follows vLLM's progress, not a clock: each pause/resume costs a slow
+        machine more than a decode step, and a timer then starves the completions."""
+        tokens, every = 240, 40
 
         async def scenario():
             async with httpx.AsyncClient(base_url=gateway.base_url, timeout=300) as http:
                 body = {"prompt": "Hi", "max_tokens": 5, "return_token_ids": True}
                 await set_label(upstream.url, "5")
                 labelled = (await http.post("/v1/completions", json=body)).json()
-                long = {**body, "max_tokens": 900, "ignore_eos": True, "n": 16}
+                seen = await metric(upstream.url, "vllm:generation_tokens_total")
+                long = {**body, "max_tokens": tokens, "ignore_eos": True, "n": 16}
                 running = asyncio.ensure_future(http.post("/v1/completions", json=long))
                 label = 5
                 async with httpx.AsyncClient(base_url=upstream.url, timeout=60) as vllm:
                     while not running.done():
-                        await asyncio.sleep(0.2)
+                        await asyncio.sleep(0.05)
+                        now = await metric(upstream.url, "vllm:generation_tokens_total")
+                        if now - seen < 16 * every:
+                            continue
+                        seen = now
                         await vllm.post("/pause", params={"mode": "keep"})
                         label += 1
                         await set_label(upstream.url, str(label))
@@ -254,13 +262,13 @@ class TestGatewayOverVLLM:
                 return labelled, (await running).json(), label
 
         try:
-            labelled, split, last = asyncio.run(scenario())
+            labelled, split, last = asyncio.run(asyncio.wait_for(scenario(), 300))
         finally:
             asyncio.run(set_label(upstream.url, "default"))
         assert labelled["choices"][0]["weight_versions"] == [5] * 5
         for choice in split["choices"]:
             versions = choice["weight_versions"]
-            assert len(versions) == 900 and versions == sorted(versions)
+            assert len(versions) == tokens and versions == sorted(versions)
             assert 5 <= versions[0] < versions[-1] <= last
 
     def test_a_cached_prompt_prefix_is_reused_only_under_the_same_weights(self, gateway, upstream):
