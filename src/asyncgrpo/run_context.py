@@ -39,7 +39,7 @@ from asyncgrpo.session.clock import RunClock
 from asyncgrpo.session.engine_link import EngineLink
 from asyncgrpo.session.status import PipelineStatus
 from asyncgrpo.trainer.base import Trainer
-from asyncgrpo.trainer.checkpoint import Checkpointer
+from asyncgrpo.trainer.checkpoint import Checkpointer, CheckpointNotWritten
 from asyncgrpo.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -92,9 +92,12 @@ class RunContext:
 
     def checkpoint(self, force: bool = False) -> None:
         with self.activity.doing("checkpoint"):
-            self.checkpoints.maybe_save(
-                self.step, self._progress, self.clock.elapsed(), force=force
-            )
+            try:
+                self.checkpoints.maybe_save(
+                    self.step, self._progress, self.clock.elapsed(), force=force
+                )
+            except CheckpointNotWritten as exc:
+                raise RunAborted(str(exc)) from None
 
     def _progress(self) -> tuple[dict, dict]:
         """The data position and the accounting, taken together (`RolloutBuffer.record`)."""

@@ -5,6 +5,7 @@ import json
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from asyncgrpo.testing import build_tiny_llama
@@ -155,3 +156,41 @@ def test_a_snapshot_that_cannot_be_written_is_logged_and_training_goes_on(
     snapshots.maybe_save(2, lambda: ({}, {}), time_s=2.0)
     snapshots.close()
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step-000002.safetensors"]
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one_and_says_so(
+    tmp_path, monkeypatch, caplog
+):
+    """A full disk fails the optimizer file of step 4's checkpoint: no half checkpoint is
+    left, `latest` still names step 2's, training goes on; the run's last checkpoint
+    failing the same way raises `CheckpointNotWritten` naming both."""
+    from safetensors import SafetensorError
+
+    from asyncgrpo.trainer import checkpoint
+
+    real_save = checkpoint.save_file
+
+    def full_after_weights(tensors, path):
+        if path.name == "optimizer.safetensors":
+            path.write_bytes(b"partial")
+            raise SafetensorError("Error while serializing: I/O error: No space left on device")
+        real_save(tensors, path)
+
+    trainer = TinyTrainer()
+    checkpoints = Checkpointer(trainer, tmp_path, every=2, snapshot_every=None, snapshot_dtype=None)
+    progress = lambda: ({"cursor": trainer.version}, {"consumed": trainer.version})  # noqa: E731
+    trainer.version = 2
+    checkpoints.maybe_save(2, progress, time_s=2.0)
+    monkeypatch.setattr(checkpoint, "save_file", full_after_weights)
+    trainer.version = 4
+    checkpoints.maybe_save(4, progress, time_s=4.0)
+    assert "checkpoint of step 4 not written" in caplog.text
+    assert "No space left on device" in caplog.text and "step-000002" in caplog.text
+    directory = tmp_path / "checkpoints"
+    assert sorted(p.name for p in directory.iterdir()) == ["latest", "step-000002"]
+    assert json.loads((tmp_path / "accounting.json").read_text()) == {"consumed": 2}
+    with pytest.raises(checkpoint.CheckpointNotWritten, match="step 5 not written.*step-000002"):
+        checkpoints.maybe_save(5, progress, time_s=5.0, force=True)
+    monkeypatch.setattr(checkpoint, "save_file", real_save)
+    resumed = TinyTrainer()
+    assert Checkpointer(resumed, tmp_path, 2, None, None).resume().step == 2

@@ -39,6 +39,10 @@ from asyncgrpo.trainer.sharded import full, like
 logger = logging.getLogger(__name__)
 
 
+class CheckpointNotWritten(RuntimeError):
+    """The run's last checkpoint could not be written (a full disk, no permission)."""
+
+
 @dataclass
 class TrainingState:
     """Scalars that must be restored with the weights."""
@@ -125,8 +129,25 @@ def save_checkpoint(
     final = directory / f"step-{state.step:06d}"
     tmp = directory / f".tmp-step-{state.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     weights, opt_tensors, opt_meta = checkpoint_tensors(model, optimizer)
+    try:
+        _write_checkpoint(tmp, weights, opt_tensors, opt_meta, scheduler, state)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half checkpoint
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    latest_tmp = directory / ".latest.tmp"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, directory / "latest")
+    prune_checkpoints(directory, keep)
+    return final
+
+
+def _write_checkpoint(
+    tmp: Path, weights: dict, opt_tensors: dict, opt_meta: dict, scheduler, state: TrainingState
+) -> None:
+    tmp.mkdir()
     save_file(weights, tmp / "model.safetensors")
     rng_tensors, rng_meta = _rng_state()
     save_file(
@@ -143,13 +164,6 @@ def save_checkpoint(
         "rng": rng_meta,
     }
     (tmp / "state.json").write_text(json.dumps(meta))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    latest_tmp = directory / ".latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, directory / "latest")
-    prune_checkpoints(directory, keep)
-    return final
 
 
 def prune_checkpoints(directory: Path, keep: int | None) -> None:
@@ -314,13 +328,26 @@ class Checkpointer:
         if self.snapshot_every and step % self.snapshot_every == 0 and not force:
             self._snapshot(step)
         if force or step % self.every == 0:
-            data_position, accounting = progress()
-            extra = {"time_s": time_s, "accounting": accounting}
+            self._checkpoint(step, progress, time_s, force)
+
+    def _checkpoint(self, step: int, progress: Callable, time_s: float, force: bool) -> None:
+        """One that cannot be written (a full disk) is logged and training goes on from
+        the previous one; the run's last one (`force`) raises `CheckpointNotWritten`."""
+        data_position, accounting = progress()
+        extra = {"time_s": time_s, "accounting": accounting}
+        try:
             self.trainer.save_checkpoint(
                 self.directory, TrainingState(step, self.trainer.version, data_position, extra)
             )
             prune_checkpoints(self.directory, self.keep)
             self.write_accounting(accounting)
+        except (OSError, SafetensorError) as exc:
+            previous = latest_checkpoint(self.directory)
+            kept = f"the newest complete one is {previous}" if previous else "none is complete"
+            message = f"checkpoint of step {step} not written in {self.directory} ({exc}); {kept}"
+            if force:
+                raise CheckpointNotWritten(message) from None
+            logger.error("%s; training goes on", message)
 
     def write_accounting(self, accounting: dict) -> None:
         """`accounting.json` in the run directory, replaced atomically."""
