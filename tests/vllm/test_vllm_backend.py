@@ -188,6 +188,9 @@ def test_a_server_that_cannot_start_fails_fast_quoting_its_log(
 # until the request has finished; SmolLM2's ~40 ms steps leave it room.
 
 LONG = 400  # tokens: ~16 s of SmolLM2 on this CPU, room for a sync on a faster one
+# The embedded engine pauses between any two steps and decodes SmolLM2 at ~0.1 s a token
+# on one thread: 120 tokens leave a sync seconds to land in
+LONG_EMBEDDED = 120
 
 
 def sync_while_generating(backend, model_dir, loop, request=None):
@@ -313,7 +316,7 @@ def engine(request):
     )
     state = bf16_state(model_dir)
     if request.param == "embedded":
-        state = {k: v.float() for k, v in state.items()}
+        return backend, {k: v.float() for k, v in state.items()}, LONG_EMBEDDED
     return backend, state, LONG
 
 

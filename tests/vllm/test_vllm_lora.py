@@ -33,7 +33,7 @@ RANK = 8
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 PROMPT = list(range(10, 22))
 TOKENS = 12
-LONG = 400  # tokens of the requests a sync lands in: ~16 s of SmolLM2 on this CPU
+LONG = 200  # tokens of the requests a sync lands in: ~20 s of SmolLM2 with adapters on this CPU
 LONG_REQUESTS = 2
 PORTS = range(18400, 18500)  # this module's servers
 
