@@ -237,7 +237,7 @@ class TestGatewayOverVLLM:
         each of 16 running completions: their versions change inside them, never go back.
         Relabelling follows vLLM's progress, not a clock: each pause/resume costs a slow
         machine more than a decode step, and a timer then starves the completions."""
-        tokens, every = 240, 40
+        tokens, every, n = 240, 40, 16
 
         async def scenario():
             async with httpx.AsyncClient(base_url=gateway.base_url, timeout=300) as http:
@@ -245,14 +245,14 @@ class TestGatewayOverVLLM:
                 await set_label(upstream.url, "5")
                 labelled = (await http.post("/v1/completions", json=body)).json()
                 seen = await metric(upstream.url, "vllm:generation_tokens_total")
-                long = {**body, "max_tokens": tokens, "ignore_eos": True, "n": 16}
+                long = {**body, "max_tokens": tokens, "ignore_eos": True, "n": n}
                 running = asyncio.ensure_future(http.post("/v1/completions", json=long))
                 label = 5
                 async with httpx.AsyncClient(base_url=upstream.url, timeout=60) as vllm:
                     while not running.done():
                         await asyncio.sleep(0.05)
                         now = await metric(upstream.url, "vllm:generation_tokens_total")
-                        if now - seen < 16 * every:
+                        if now - seen < n * every:
                             continue
                         seen = now
                         await vllm.post("/pause", params={"mode": "keep"})

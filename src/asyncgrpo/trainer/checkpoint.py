@@ -339,8 +339,6 @@ class Checkpointer:
             self.trainer.save_checkpoint(
                 self.directory, TrainingState(step, self.trainer.version, data_position, extra)
             )
-            prune_checkpoints(self.directory, self.keep)
-            self.write_accounting(accounting)
         except (OSError, SafetensorError) as exc:
             previous = latest_checkpoint(self.directory)
             kept = f"the newest complete one is {previous}" if previous else "none is complete"
@@ -348,6 +346,9 @@ class Checkpointer:
             if force:
                 raise CheckpointNotWritten(message) from None
             logger.error("%s; training goes on", message)
+            return
+        prune_checkpoints(self.directory, self.keep)
+        self.write_accounting(accounting)
 
     def write_accounting(self, accounting: dict) -> None:
         """`accounting.json` in the run directory, replaced atomically."""
