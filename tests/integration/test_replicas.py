@@ -187,6 +187,14 @@ def test_a_killed_replica_restarts_while_the_other_keeps_generating(
     original_restart = EngineProcess.restart
 
     def restart(process, timeout=300.0):
+        # keep the replica down until the other one has answered twice since the kill (60 s
+        # at most): on a loaded machine the restart can beat the other replica's next answer
+        dead_url = f"http://127.0.0.1:{killed[0][0]}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if len([s for s in served if s[0] != dead_url and s[2] > killed[0][1]]) >= 2:
+                break
+            time.sleep(0.1)
         original_restart(process, timeout)
         restarted.append((process.port, time.monotonic()))
         back.set()
@@ -196,8 +204,8 @@ def test_a_killed_replica_restarts_while_the_other_keeps_generating(
         if step == 2:
             pid = min(set(engine_children()) - fixture_engines)
             port = int(open(f"/proc/{pid}/cmdline").read().split("\0")[-2])
+            killed.append((port, time.monotonic()))  # first: the restart reads it
             os.kill(pid, signal.SIGKILL)
-            killed.append((port, time.monotonic()))
         elif killed and not back.is_set():
             # nothing the trainer does (revive, sync) starts the restart: the backend's own
             # health watcher must. A slow trainer keeps taking batches meanwhile; from step
