@@ -49,7 +49,7 @@ $(VLLM_VENV)/.installed: benchmarks/vllm_env.sh
 	bash benchmarks/vllm_env.sh $(VLLM_VENV)
 	touch $@
 
-# ~16 min on a 2-core Xeon without native bf16, a module's tests in one worker each (they
+# ~15 min on a 2-core Xeon without native bf16, a module's tests in one worker each (they
 # share its vLLM server): the timeout only catches hangs
 test-vllm: $(STAMP) $(VLLM_VENV)/.installed
 	ASYNCGRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \

@@ -5,8 +5,8 @@ vLLM runs in its own environment: `ASYNCGRPO_VLLM_PYTHON`, default
 tests skip. A vLLM server costs ~25 s to start and ~3 GB, so a module keeps at
 most one (`vllm_slot`): a test asks for the model it needs and the slot stops any
 other server first. `make test-vllm` runs each module's tests in one pytest-xdist
-worker (`--dist loadfile`), two modules side by side. Backends live on one event loop per module (`loop`), as they
-do in a run (`asyncgrpo.loop_thread`).
+worker (`--dist loadfile`), two modules side by side. Backends live on one event loop
+per module (`loop`), as they do in a run (`asyncgrpo.loop_thread`).
 """
 
 from __future__ import annotations
