@@ -4,14 +4,21 @@ vLLM runs in its own environment: `ASYNCGRPO_VLLM_PYTHON`, default
 `<repo>/.venv-vllm/bin/python` (`make test-vllm` builds it); without it these
 tests skip. A vLLM server costs ~25 s to start and ~3 GB, so a module keeps at
 most one (`vllm_slot`): a test asks for the model it needs and the slot stops any
-other server first. `make test-vllm` runs each module's tests in one pytest-xdist
-worker (`--dist loadfile`), two modules side by side. Backends live on one event loop
-per module (`loop`), as they do in a run (`asyncgrpo.loop_thread`).
+other server first. Backends live on one event loop per module (`loop`), as they do
+in a run (`asyncgrpo.loop_thread`).
+
+`make test-vllm` runs two pytest-xdist workers, each given whole modules (`--dist
+loadfile`), so a module's tests share its server. The modules are few and uneven, and
+xdist's file scheduler hands a worker its next module while two of its tests are still
+pending: the slow two-test modules piled onto one worker (~900 s of tests against ~700 s
+on the other; the suite took 958 s). Here the modules are split by their measured times
+instead (`pytest_xdist_make_scheduler`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import time
@@ -30,6 +37,66 @@ from asyncgrpo.testing import save_tiny_vllm_model_dir
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("ASYNCGRPO_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
 TEST_SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: plenty, and small
+
+# Seconds each module took under `make test-vllm` with two workers (2-core Xeon, stop 46;
+# setup, calls and teardown). Only their proportions matter.
+MODULE_SECONDS = {
+    "test_vllm_backend.py": 484,
+    "test_vllm_lora.py": 270,
+    "test_train_vllm.py": 252,
+    "test_replicas_vllm.py": 212,
+    "test_benchmarks_vllm.py": 203,
+    "test_gateway_vllm.py": 174,
+    "test_nccl_gpu.py": 0,  # skips without two CUDA devices
+}
+NEW_MODULE_SECONDS = 150  # a module not measured yet
+THIS_DIRECTORY = "tests/vllm/"  # as node ids begin
+
+
+def balanced_groups(modules: set[str], workers: int) -> dict[str, int]:
+    """Each module's worker: of all the ways to split the modules (they are few), the one
+    whose busiest worker has the least to do. More than 4 workers are not used: each runs
+    a ~3 GB vLLM server, on a machine's cores that the servers share."""
+    names = sorted(modules)
+    seconds = [MODULE_SECONDS.get(name, NEW_MODULE_SECONDS) for name in names]
+    workers = min(workers, 4)
+
+    def busiest(split: tuple[int, ...]) -> float:
+        load = [0.0] * workers
+        for worker, s in zip(split, seconds, strict=True):
+            load[worker] += s
+        return max(load)
+
+    best = min(itertools.product(range(workers), repeat=len(names)), key=busiest)
+    return dict(zip(names, best, strict=True))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which would answer first
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadfile`, this directory's modules go to the workers whole, split by
+    their measured times (`balanced_groups`); any other module is its own unit, as usual.
+    (xdist's `loadgroup` with `xdist_group` marks would say the same, but it ignores the
+    marks under pytest 9.2: pytest-xdist#1386.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModulesByTime(LoadFileScheduling):
+        worker_of: dict[str, int] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if not module.startswith(THIS_DIRECTORY):
+                return module
+            if self.worker_of is None:  # the collection is complete when scopes are asked
+                modules = {n.split("::", 1)[0] for n in self.collection}
+                mine = {
+                    m.removeprefix(THIS_DIRECTORY) for m in modules if m.startswith(THIS_DIRECTORY)
+                }
+                self.worker_of = balanced_groups(mine, len(self.nodes))
+            return f"vllm-worker-{self.worker_of[module.removeprefix(THIS_DIRECTORY)]}"
+
+    return ModulesByTime(config, log)
 
 
 def require_vllm() -> str:
