@@ -233,10 +233,12 @@ class TestGatewayOverVLLM:
         asyncio.run(scenario())
 
     def test_versions_follow_vllms_weight_label_and_split_mid_completion(self, gateway, upstream):
-        """vLLM relabels its weights (pause keep, new label, resume) after every 40 tokens of
-        each of 16 running completions: their versions change inside them, never go back.
-        Relabelling follows vLLM's progress, not a clock: each pause/resume costs a slow
-        machine more than a decode step, and a timer then starves the completions."""
+        """vLLM relabels its weights (pause keep, new label, resume) once the 16 running
+        completions have begun, then after every 40 more tokens of each: their versions
+        change inside them, never go back. Relabelling follows vLLM's progress, not a clock:
+        each pause/resume costs a slow machine more than a decode step, and a timer then
+        starves the completions. The first relabel does not wait 40 tokens: on a loaded
+        machine one read of /metrics took ~1 s, and the completions ended before it came."""
         tokens, every, n = 240, 40, 16
 
         async def scenario():
@@ -247,14 +249,14 @@ class TestGatewayOverVLLM:
                 seen = await metric(upstream.url, "vllm:generation_tokens_total")
                 long = {**body, "max_tokens": tokens, "ignore_eos": True, "n": n}
                 running = asyncio.ensure_future(http.post("/v1/completions", json=long))
-                label = 5
+                label, wait_for_tokens = 5, n  # then n * every
                 async with httpx.AsyncClient(base_url=upstream.url, timeout=60) as vllm:
                     while not running.done():
                         await asyncio.sleep(0.05)
                         now = await metric(upstream.url, "vllm:generation_tokens_total")
-                        if now - seen < n * every:
+                        if now - seen < wait_for_tokens:
                             continue
-                        seen = now
+                        seen, wait_for_tokens = now, n * every
                         await vllm.post("/pause", params={"mode": "keep"})
                         label += 1
                         await set_label(upstream.url, str(label))
