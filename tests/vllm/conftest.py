@@ -39,14 +39,14 @@ VLLM_PYTHON = os.environ.get("ASYNCGRPO_VLLM_PYTHON", str(REPO / ".venv-vllm" / 
 TEST_SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: plenty, and small
 
 # Seconds each module took under `make test-vllm` with two workers (2-core Xeon, stop 46;
-# setup, calls and teardown). Only their proportions matter.
+# setup, calls and teardown; the mean of two runs, which differed by up to 25%).
 MODULE_SECONDS = {
-    "test_vllm_backend.py": 484,
-    "test_vllm_lora.py": 270,
-    "test_train_vllm.py": 252,
-    "test_replicas_vllm.py": 212,
-    "test_benchmarks_vllm.py": 203,
-    "test_gateway_vllm.py": 174,
+    "test_vllm_backend.py": 476,
+    "test_vllm_lora.py": 284,
+    "test_train_vllm.py": 281,
+    "test_replicas_vllm.py": 224,
+    "test_gateway_vllm.py": 193,
+    "test_benchmarks_vllm.py": 175,
     "test_nccl_gpu.py": 0,  # skips without two CUDA devices
 }
 NEW_MODULE_SECONDS = 150  # a module not measured yet
