@@ -153,7 +153,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def measure(tinker, service, url, args) -> dict:
-    client = tinker.ServiceClient(base_url=url, api_key=KEY)
+    with tinker.ServiceClient(base_url=url, api_key=KEY) as client:
+        return measure_with(client, service, tinker, args)
+
+
+def measure_with(client, service, tinker, args) -> dict:
     trainer = client.create_lora_training_client(base_model=args.model, rank=args.rank, seed=0)
     trainer = trainer.result()
     model_id = trainer.get_info().model_id

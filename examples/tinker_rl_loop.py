@@ -126,7 +126,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     """Train; returns the held-out greedy reward before and after, and the wall time."""
     args = parse_args(argv)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
-    service = tinker.ServiceClient(base_url=args.base_url, api_key=api_key())
+    # the session ends with the block (its heartbeats stop, the server marks it finished)
+    with tinker.ServiceClient(base_url=args.base_url, api_key=api_key()) as service:
+        return run_training(service, args)
+
+
+def run_training(service, args) -> dict[str, float]:
     trainer = service.create_lora_training_client(
         base_model=args.model, rank=args.rank, seed=args.seed
     ).result()

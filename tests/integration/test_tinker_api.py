@@ -31,8 +31,10 @@ def server_url(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def service(server_url):
     os.environ["TINKER_TELEMETRY"] = "0"
-    client = tinker.ServiceClient(base_url=server_url, api_key=API_KEY)
-    yield client
+    # closed before the module's server stops: an open session's SDK would keep sending
+    # heartbeats to the stopped server (and logging their failures) until the process ends
+    with tinker.ServiceClient(base_url=server_url, api_key=API_KEY) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +182,9 @@ def test_a_named_sampler_path_serves_its_weights_to_a_new_sampling_client(servic
     assert path.endswith("/sampler_weights/step-1")
     prompt = types.ModelInput.from_ints([80, 81, 82])
     params = types.SamplingParams(max_tokens=6, seed=9, stop=[])
-    direct = trainer.create_sampling_client(path).sample(prompt, 1, params).result()
-    other = service.create_sampling_client(model_path=path).sample(prompt, 1, params).result()
+    direct = trainer.create_sampling_client(path).result().sample(prompt, 1, params).result()
+    other = service.create_sampling_client(model_path=path).result()
+    other = other.sample(prompt, 1, params).result()
     assert list(direct.sequences[0].logprobs) == list(other.sequences[0].logprobs)
 
 
