@@ -158,6 +158,7 @@ def measure(tinker, service, url, args) -> dict:
 
 
 def measure_with(client, service, tinker, args) -> dict:
+    """Per way ("api": through the SDK, "direct": the engine's client), each step's times."""
     trainer = client.create_lora_training_client(base_model=args.model, rank=args.rank, seed=0)
     trainer = trainer.result()
     model_id = trainer.get_info().model_id

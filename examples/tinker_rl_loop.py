@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 def run_training(service, args) -> dict[str, float]:
+    """The loop itself, on an open `ServiceClient`: evaluate, train `args.steps`, evaluate."""
     trainer = service.create_lora_training_client(
         base_model=args.model, rank=args.rank, seed=args.seed
     ).result()
