@@ -183,8 +183,8 @@ def test_a_named_sampler_path_serves_its_weights_to_a_new_sampling_client(servic
     prompt = types.ModelInput.from_ints([80, 81, 82])
     params = types.SamplingParams(max_tokens=6, seed=9, stop=[])
     direct = trainer.create_sampling_client(path).result().sample(prompt, 1, params).result()
-    other = service.create_sampling_client(model_path=path).result()
-    other = other.sample(prompt, 1, params).result()
+    sampler = service.create_sampling_client(model_path=path).result()
+    other = sampler.sample(prompt, 1, params).result()
     assert list(direct.sequences[0].logprobs) == list(other.sequences[0].logprobs)
 
 
