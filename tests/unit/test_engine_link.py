@@ -50,6 +50,8 @@ class GatedEngine:
 class Weights:
     """A trainer's weights and version; `named_weights` hands out its live tensors."""
 
+    gathers_weights = False
+
     def __init__(self, device: str = "cpu") -> None:
         self.version = 0
         self.w = torch.zeros(3, device=device)
@@ -98,13 +100,52 @@ def test_the_trainer_goes_on_while_the_sync_lands_the_weights_it_began_with(link
 
 def test_tied_tensors_are_copied_once_into_buffers_reused_by_every_sync():
     snapshot, trainer = WeightSnapshot(), Weights()
-    first = dict(snapshot.take(trainer.named_weights()))
+    first = dict(snapshot.take(trainer.named_weights(), torch.float32))
     assert snapshot.taken
     assert first["embed"] is first["head"] and first["w"] is not trainer.w
     trainer.step()
-    second = dict(snapshot.take(trainer.named_weights()))
+    second = dict(snapshot.take(trainer.named_weights(), torch.float32))
     assert all(second[name] is first[name] for name in first)
     assert second["head"].tolist() == [10.0, 10.0]
+
+
+def test_the_snapshot_casts_to_the_engine_dtype_while_it_copies():
+    snapshot, trainer = WeightSnapshot(), Weights()
+    trainer.w += torch.tensor([1.0, 1 + 2**-10, 3.0])  # 1 + 2^-10 rounds to 1 in bf16
+    taken = dict(snapshot.take(trainer.named_weights(), torch.bfloat16))
+    assert {t.dtype for t in taken.values()} == {torch.bfloat16}
+    assert taken["w"].tolist() == [1.0, 1.0, 3.0]
+    assert taken["embed"] is taken["head"]
+    assert trainer.w.dtype == torch.float32  # the trainer's own tensors are untouched
+
+
+class ShardedWeights(Weights):
+    """A trainer whose `named_weights` gathers: it is asked for the engine's dtype."""
+
+    gathers_weights = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[torch.dtype | None] = []
+
+    def named_weights(self, dtype=None):
+        self.asked.append(dtype)
+        return iter([("w", self.w.to(dtype))])
+
+
+def test_a_gathering_trainer_is_asked_for_the_engine_dtype_a_local_one_for_its_own(link_parts):
+    link, engine, _, _ = link_parts
+    engine.gate.set()
+    sharded = link.trainer = ShardedWeights()
+    link.weight_dtype = torch.bfloat16
+    link.sync_weights()
+    link.settle()
+    assert sharded.asked == [torch.bfloat16]
+    local = link.trainer = ShardedWeights()
+    local.gathers_weights = False
+    link.sync_weights()
+    link.settle()
+    assert local.asked == [None]
 
 
 def test_a_sync_that_fails_for_good_aborts_the_run_at_the_next_sync(link_parts):

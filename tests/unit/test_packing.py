@@ -8,6 +8,7 @@ import torch
 
 from asyncgrpo.testing import build_tiny_llama
 from asyncgrpo.trainer.packing import (
+    embedded,
     enable_packed_attention,
     pack_sequences,
     packed_token_logprobs,
@@ -122,6 +123,37 @@ def test_packed_logprobs_entropy_and_gradients_match_padded_forward(
     for name, want in want_grads.items():
         rel = (got_grads[name] - want).norm() / want.norm()
         assert rel < 1e-5, f"{name}: relative gradient error {rel:.2e}"
+
+
+def test_a_tied_trained_embedding_is_looked_up_sparsely_and_its_gradient_ends_dense(models):
+    _, packed = models
+    forward = {"input_ids": torch.tensor([[5, 7, 5]]), "use_cache": False}
+    looked_up = embedded(packed, forward)
+    assert set(looked_up) == {"inputs_embeds", "use_cache"}
+    torch.testing.assert_close(
+        looked_up["inputs_embeds"], packed.model.embed_tokens(forward["input_ids"])
+    )
+    looked_up["inputs_embeds"].sum().backward()
+    assert packed.lm_head.weight.grad.is_sparse  # alone, the lookup's gradient is the rows
+    packed.zero_grad(set_to_none=True)
+
+    seqs, prompts = grpo_like_batch()
+    out = packed_token_logprobs(packed, seqs, prompts, with_entropy=True)
+    weighted_loss(out.logprobs, out.entropy).backward()
+    assert not any(p.grad.is_sparse for p in packed.parameters())  # added into the head's
+    packed.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        assert embedded(packed, forward) is forward
+
+
+def test_an_untied_or_frozen_embedding_keeps_the_ids():
+    forward = {"input_ids": torch.tensor([[1, 2]])}
+    untied = build_tiny_llama(VOCAB, num_layers=1, seed=0)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert embedded(untied, forward) is forward
+    frozen = build_tiny_llama(VOCAB, num_layers=1, seed=0)
+    frozen.requires_grad_(False)
+    assert embedded(frozen, forward) is forward
 
 
 def test_model_with_packed_attention_still_runs_ordinary_padded_forwards(models):

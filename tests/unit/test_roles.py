@@ -155,6 +155,8 @@ class FakeBuilder:
 class FakeTrainer:
     """A `Trainer` that records what each step consumed, at which version, and bumps it."""
 
+    gathers_weights = False
+
     def __init__(self) -> None:
         self.version = 0
         self.weight = torch.arange(4, dtype=torch.float32)

@@ -21,6 +21,11 @@ class Trainer(Protocol):
     version: int
     """The policy version: optimizer steps taken (a checkpoint restores it)."""
 
+    gathers_weights: bool
+    """Whether `named_weights` gathers shards from other ranks: it then casts before the
+    gather (half the bytes for bf16), so a publisher asks it for the engine's dtype. Other
+    trainers hand out their own tensors, which a publisher casts while copying them."""
+
     def step(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step on a batch of scored groups; its metrics. Bumps `version`."""
         ...

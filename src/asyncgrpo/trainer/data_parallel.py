@@ -127,6 +127,7 @@ class DataParallelTrainer:
         self.core = core
         self.world = world
         self.sharded = strategy == "fsdp"
+        self.gathers_weights = self.sharded
         self.channel = Channel(world)
         self.failed = False
 

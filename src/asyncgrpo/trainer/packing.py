@@ -292,7 +292,7 @@ def run_packed(model, forward, rows, targets, temperature, with_entropy, chunk_r
     if hasattr(model, "get_base_model"):  # peft: the HF model it wraps (adapters inside)
         model = model.get_base_model()
     base = getattr(model, model.base_model_prefix)
-    hidden = base(**forward).last_hidden_state[0]  # (N, H)
+    hidden = base(**embedded(model, forward)).last_hidden_state[0]  # (N, H)
     return lm_head_token_logprobs(
         hidden[rows],  # (M, H)
         model.get_output_embeddings(),
@@ -302,6 +302,23 @@ def run_packed(model, forward, rows, targets, temperature, with_entropy, chunk_r
         chunk_rows,
         top_p,
     )
+
+
+def embedded(model, forward: dict) -> dict:
+    """`forward` with the input embeddings looked up here, with a sparse gradient, when they
+    are the trained, tied LM head's weight. Autograd then adds the packed ids' rows into
+    the head's dense gradient, where the embedding's own backward would zero-fill a (V, H)
+    float32 matrix and add it whole: 113 MB for SmolLM2-135M, 35 ms of a 2 s step on one
+    CPU thread. Untied embeddings keep their dense gradient (the fused AdamW takes no
+    sparse one)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    plain = type(embed) is torch.nn.Embedding and embed.max_norm is None  # no scaled subclass
+    tied = head is not None and embed.weight is head.weight
+    if not (plain and tied and embed.weight.requires_grad and torch.is_grad_enabled()):
+        return forward
+    ids = forward["input_ids"]
+    embeds = F.embedding(ids, embed.weight, embed.padding_idx, sparse=True)
+    return {**{k: v for k, v in forward.items() if k != "input_ids"}, "inputs_embeds": embeds}
 
 
 def pad_ragged(
