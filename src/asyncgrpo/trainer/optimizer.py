@@ -34,26 +34,23 @@ def clipped_step(
     at most `max_norm` (none when `max_norm` <= 0); the norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads)
-    if max_norm <= 0 or not grads:
-        optimizer.step()
-        return norm
-    coefficient = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
-    if not _takes_grad_scale(optimizer, norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        optimizer.step()
-        return norm
-    optimizer.grad_scale = coefficient.reciprocal().to(torch.float32)  # a divisor
+    if max_norm > 0 and grads:
+        if _takes_grad_scale(optimizer, norm):
+            coefficient = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+            optimizer.grad_scale = coefficient.reciprocal().to(torch.float32)  # a divisor
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     try:
         optimizer.step()
     finally:
-        del optimizer.grad_scale
+        optimizer.__dict__.pop("grad_scale", None)
     return norm
 
 
 def _takes_grad_scale(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> bool:
-    """A fused Adam(W) over plain tensors (a sharded model's norm is a DTensor, and its
-    scale would have to be one too)."""
-    fused = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and all(
+    """A fused Adam (AdamW included) over plain tensors (a sharded model's norm is a
+    DTensor, and its scale would have to be one too)."""
+    fused = isinstance(optimizer, torch.optim.Adam) and all(
         group.get("fused") for group in optimizer.param_groups
     )
     return fused and not hasattr(norm, "full_tensor")
