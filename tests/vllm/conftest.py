@@ -147,6 +147,38 @@ async def wait_until(predicate, timeout: float, what: str, poll: float = 0.05) -
         await asyncio.sleep(poll)
 
 
+class RequestsSent:
+    """Counts the requests an `EngineClient` has written whole to its server while in the
+    with-block (httpcore's trace events). A request started a moment earlier may not have
+    gone out yet on a loaded machine: a pause sent then lands before it, and it runs whole
+    after the sync. vLLM's /metrics cannot tell instead: under load its API server answers
+    nothing while it decodes (25 s for one read, measured)."""
+
+    def __init__(self, client) -> None:
+        self.hooks = client._http.event_hooks["request"]
+        self.count = 0
+
+    def __enter__(self) -> RequestsSent:
+        self.hooks.append(self._trace)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.remove(self._trace)
+
+    async def wait_for(self, count: int, timeout: float) -> None:
+        async def sent() -> bool:
+            return self.count >= count
+
+        await wait_until(sent, timeout, f"{count} request(s) sent", poll=0.01)
+
+    async def _trace(self, request: httpx.Request) -> None:
+        request.extensions["trace"] = self._on_event
+
+    async def _on_event(self, event: str, info: dict) -> None:
+        if event.endswith("send_request_body.complete"):
+            self.count += 1
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid`, from /proc."""
     children: dict[int, list[int]] = {}

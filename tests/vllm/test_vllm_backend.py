@@ -19,6 +19,7 @@ import httpx
 import pytest
 import torch
 from conftest import (
+    RequestsSent,
     bf16_state,
     descendants,
     process_name,
@@ -322,11 +323,12 @@ def engine(request):
 
 async def start_generating(backend, max_tokens: int, request=None) -> asyncio.Task:
     """A greedy request of `max_tokens` through the backend's client (or `request`, a
-    coroutine that makes one), returned once it is generating: a streamed probe request
-    sent after it has received some tokens (one batch decodes both; a loaded machine
-    delays the probe's chunks, never the order)."""
-    task = asyncio.ensure_future(request or greedy_completion(backend, max_tokens))
-    await asyncio.sleep(0.05)  # let the request go out first
+    coroutine that makes one), returned once it is generating: it has gone out whole, and
+    a streamed probe request sent after it has received some tokens (one batch decodes
+    both; a loaded machine delays the probe's chunks, never the order)."""
+    with RequestsSent(backend.client) as sent:
+        task = asyncio.ensure_future(request or greedy_completion(backend, max_tokens))
+        await sent.wait_for(1, 60)
     probe = asyncio.ensure_future(stream_until_tokens(backend, 5))
     try:
         await asyncio.wait_for(asyncio.shield(probe), 60)

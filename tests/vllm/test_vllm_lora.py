@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import TEST_SERVER_ENV, vllm_engine_config
+from conftest import TEST_SERVER_ENV, RequestsSent, vllm_engine_config
 from safetensors.torch import load_file
 
 from asyncgrpo.adapters import AdapterError
@@ -189,8 +189,9 @@ def test_a_request_keeps_its_adapter_and_version_across_a_sync(lora_smollm2, loo
         version = await backend.client.weight_version() + 1
         await backend.sync_weights(first, version, "keep")
         requests = (greedy(backend, LONG) for _ in range(LONG_REQUESTS))
-        running = asyncio.ensure_future(asyncio.gather(*requests))
-        await asyncio.sleep(0.05)  # let them go out first
+        with RequestsSent(backend.client) as sent:  # before the probe and the sync
+            running = asyncio.ensure_future(asyncio.gather(*requests))
+            await sent.wait_for(LONG_REQUESTS, 60)
         await asyncio.wait_for(stream_tokens(backend.client.base_url, 5), 60)
         await backend.sync_weights(second, version + 1, "keep")
         in_flight_at_sync = not running.done()
