@@ -91,6 +91,34 @@ def test_neighbours_arrival_and_prefix_cache_hits_change_no_bit(engine):
     assert after_cache_hit == alone
 
 
+def test_rows_are_regrouped_by_key_length_and_change_no_bit(engine, monkeypatch):
+    """Decode keeps the rows of one key length in consecutive slots, longest first
+    (scheduler.py): a long request joining short ones, and a row whose keys grow into the
+    next block mid-decode, are swapped into place, caches and all."""
+    from asyncgrpo.engine.attention import decode_key_length
+
+    text = "the cat sat on the mat and the dog ran in the park with a red ball "
+    short = tokens(engine, text * 2)[:40]
+    crossing = tokens(engine, text * 4)[:58]  # its keys grow past 64 at its 7th token
+    longer = tokens(engine, "a b c d e f g h i j " * 12)[:90]
+    alone = [run_schedule(engine, {0: [prompt]})[0] for prompt in (short, crossing, longer)]
+
+    decode, key_lengths = engine.runner.decode, []
+
+    def recording(tokens_, positions):
+        lengths = [decode_key_length(p + 1, engine.max_model_len) for p in positions.tolist()]
+        key_lengths.append(lengths)
+        return decode(tokens_, positions)
+
+    monkeypatch.setattr(engine.runner, "decode", recording)
+    mixed = run_schedule(engine, {0: [short, crossing], 3: [longer]})
+    assert mixed == alone
+    assert all(lengths == sorted(lengths, reverse=True) for lengths in key_lengths)
+    assert {64, 128} <= {n for lengths in key_lengths for n in lengths}  # two blocks met
+    crossed = [lengths.count(128) for lengths in key_lengths[:8]]
+    assert crossed[0] == 0 and 0 < crossed[-1] < 6, crossed  # rows moved up mid-decode
+
+
 def test_runner_rows_are_independent_of_padding_and_batch(engine):
     """The forward alone: prefill logits of a prompt alone, padded beside a longer one,
     and in two chunks; decode logits alone and beside a row in another key block."""

@@ -252,6 +252,15 @@ class ModelRunner:
             k[dst, :, :length] = k[src, :, :length]
             v[dst, :, :length] = v[src, :, :length]
 
+    def swap_slots(self, a: int, b: int, length: int) -> None:
+        """Exchange the first `length` cached positions of slots `a` and `b`."""
+        if a == b or length == 0:
+            return
+        pair, swapped = torch.tensor([a, b]), torch.tensor([b, a])
+        for k, v in zip(self.k_cache, self.v_cache, strict=True):
+            k[pair, :, :length] = k[swapped, :, :length]  # the right side is a copy
+            v[pair, :, :length] = v[swapped, :, :length]
+
     # ---- forwards ------------------------------------------------------------
 
     def _attention_input(self, layer: _Layer, h: torch.Tensor, cos, sin):
