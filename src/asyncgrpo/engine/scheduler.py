@@ -166,7 +166,7 @@ class Scheduler:
     # ---- decode and sampling -------------------------------------------------
 
     def _decode(self, outbox: Outbox) -> None:
-        self._group_by_key_length()
+        group_by_key_length(self.running, self.runner)
         running = self.running
         tokens = torch.tensor([s.tokens[-1] for s in running])  # (B,)
         positions = torch.tensor([s.cache_len for s in running])  # (B,)
@@ -174,32 +174,6 @@ class Scheduler:
         for s in running:
             s.cache_len += 1
         self._sample(list(running), logits, outbox)
-
-    def _group_by_key_length(self) -> None:
-        """Keep the decode rows of one attention key length in consecutive slots, longest
-        first: attention then makes one call per length over exactly its rows, instead of
-        computing interleaved rows once per length and keeping a share (attention.py).
-
-        A row whose keys grow into the next block, or a row moved into a finished one's
-        slot, is swapped with the row holding its place (the swap copies both caches, ~1 ms
-        for SmolLM2 at 128 positions): about one swap per row every 64 tokens.
-        """
-        keys = [decode_key_length(s.cache_len + 1, self.runner.max_model_len) for s in self.running]
-        target = sorted(keys, reverse=True)
-        for i, want in enumerate(target):
-            if keys[i] == want:
-                continue
-            # a misplaced row of the length wanted here: one that wants row i's length if any
-            candidates = [j for j in range(i + 1, len(keys)) if keys[j] == want != target[j]]
-            j = next((j for j in candidates if target[j] == keys[i]), candidates[0])
-            self._swap_rows(i, j)
-            keys[i], keys[j] = keys[j], keys[i]
-
-    def _swap_rows(self, i: int, j: int) -> None:
-        a, b = self.running[i], self.running[j]
-        self.runner.swap_slots(i, j, max(a.cache_len, b.cache_len))
-        self.running[i], self.running[j] = b, a
-        a.slot, b.slot = j, i
 
     def _sample(self, samples: list[SampleState], logits: torch.Tensor, outbox: Outbox) -> None:
         """Draw the next token of every sample (logits: (B, V), row j for samples[j])."""
@@ -368,3 +342,27 @@ def _emit(outbox: Outbox) -> None:
 def _deliver(items) -> None:
     for q, deltas in items:
         q.put_nowait(deltas)
+
+
+def group_by_key_length(running: list[SampleState], runner: ModelRunner) -> None:
+    """Keep the decode rows of one attention key length in consecutive slots, longest
+    first: attention then makes one call per length over exactly its rows, instead of
+    computing interleaved rows once per length and keeping a share (attention.py).
+
+    A row whose keys grow into the next block, or a row moved into a finished one's slot,
+    is swapped with the row holding its place (the swap copies both caches, ~1 ms for
+    SmolLM2 at 128 positions): about one swap per row every 64 tokens.
+    """
+    keys = [decode_key_length(s.cache_len + 1, runner.max_model_len) for s in running]
+    target = sorted(keys, reverse=True)
+    for i, want in enumerate(target):
+        if keys[i] == want:
+            continue
+        # a misplaced row of the length wanted here: one that wants row i's length if any
+        candidates = [j for j in range(i + 1, len(keys)) if keys[j] == want != target[j]]
+        j = next((j for j in candidates if target[j] == keys[i]), candidates[0])
+        a, b = running[i], running[j]
+        runner.swap_slots(i, j, max(a.cache_len, b.cache_len))
+        running[i], running[j] = b, a
+        a.slot, b.slot = j, i
+        keys[i], keys[j] = keys[j], keys[i]
