@@ -99,7 +99,7 @@ def test_rows_are_regrouped_by_key_length_and_change_no_bit(engine, monkeypatch)
 
     text = "the cat sat on the mat and the dog ran in the park with a red ball "
     short = tokens(engine, text * 2)[:40]
-    crossing = tokens(engine, text * 4)[:58]  # its keys grow past 64 at its 7th token
+    crossing = tokens(engine, text * 4)[:58]  # its 7th decode step reads 65 keys
     longer = tokens(engine, "a b c d e f g h i j " * 12)[:90]
     alone = [run_schedule(engine, {0: [prompt]})[0] for prompt in (short, crossing, longer)]
 
