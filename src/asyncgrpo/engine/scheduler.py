@@ -10,7 +10,9 @@ batched forward (admission, prefix-cache hits copied rather than computed, promp
 longer than a chunk over several steps in a staging slot; prompt log-probs scored
 from the same forward, prompt_logprobs.py), then decodes one token
 for every running sample. Samples leave the batch the moment they finish, and the last one
-moves into the freed slot, so decode slots stay 0..B-1. The `n` samples of a request
+moves into the freed slot, so decode slots stay 0..B-1; before each decode, rows are
+swapped so that those of one attention key length sit together (`group_by_key_length`).
+The `n` samples of a request
 share its prefill and copy its keys and values. Every token is stamped with the weight
 version that sampled it, and deltas go back to each consumer's own asyncio loop.
 
