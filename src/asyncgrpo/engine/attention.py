@@ -134,15 +134,29 @@ def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pieces: list[PrefillPiece]
 ) -> torch.Tensor:
     """q: (R, heads, T, D), T the widest chunk; caches (slots, kv_heads, capacity, D).
-    Returns (R, heads, T, D), zero at the padding queries past a row's chunk."""
+    Returns (R, heads, T, D), zero at the padding queries past a row's chunk.
+
+    Pieces of one shape (the same queries of their chunks over the same keys: prompts
+    started alike) attend in one call, rows side by side, as decode rows do."""
     out = torch.zeros_like(q)
+    shapes: dict[tuple[int, int, int], list[PrefillPiece]] = {}
     for p in pieces:
-        keys = p.slot, slice(None), slice(0, p.key_len)
-        out[p.row, :, p.q_lo : p.q_hi] = F.scaled_dot_product_attention(
-            q[p.row : p.row + 1, :, p.q_lo : p.q_hi],
-            k_cache[keys].unsqueeze(0),  # (1, kv_heads, key_len, D)
-            v_cache[keys].unsqueeze(0),
-            attn_mask=p.mask,
+        shapes.setdefault((p.q_lo, p.q_hi, p.key_len), []).append(p)
+    for (q_lo, q_hi, key_len), same in shapes.items():
+        rows = _index([p.row for p in same])
+        slots = _index([p.slot for p in same])
+        out[rows, :, q_lo:q_hi] = F.scaled_dot_product_attention(
+            q[rows, :, q_lo:q_hi],
+            k_cache[slots, :, :key_len],  # (rows, kv_heads, key_len, D)
+            v_cache[slots, :, :key_len],
+            attn_mask=same[0].mask,
             enable_gqa=True,
-        )[0]
+        )
     return out
+
+
+def _index(values: list[int]) -> slice | torch.Tensor:
+    """A slice where `values` are consecutive (a view, no copy), else an index tensor."""
+    if values == list(range(values[0], values[0] + len(values))):
+        return slice(values[0], values[0] + len(values))
+    return torch.tensor(values)
