@@ -18,7 +18,8 @@ So every attention call's shapes depend on one sequence alone:
   positions), each over exactly the keys up to its last query, read from the row's
   slot in place. A piece is the same computation whether the prompt came alone, padded
   next to a longer one, or started after a prefix-cache hit (the cache's blocks are
-  query blocks), so its keys and values are the same too.
+  query blocks), so its keys and values are the same too. Pieces of one shape, from
+  chunks started alike, share one call.
 
 Rows of one call never mix: with one thread the kernel computes each (row, head)
 alone, so who else is in the call does not change a row's numbers; the linear layers
