@@ -141,7 +141,7 @@ def prefill_attention(
     started alike) attend in one call, rows side by side, as decode rows do."""
     out = torch.zeros_like(q)
     shapes: dict[tuple[int, int, int], list[PrefillPiece]] = {}
-    for p in pieces:
+    for p in pieces:  # key_len is the piece's absolute end: the three fix its mask too
         shapes.setdefault((p.q_lo, p.q_hi, p.key_len), []).append(p)
     for (q_lo, q_hi, key_len), same in shapes.items():
         rows = _index([p.row for p in same])
