@@ -132,7 +132,7 @@ def bf16_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 async def metric(base_url: str, name: str) -> float:
     """One of vLLM's Prometheus counters or gauges (summed over its label sets)."""
-    async with httpx.AsyncClient(timeout=10) as http:
+    async with httpx.AsyncClient(timeout=120) as http:
         text = (await http.get(base_url + "/metrics")).text
     pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
     return sum(float(value) for value in pattern.findall(text))

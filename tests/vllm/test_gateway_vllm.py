@@ -233,12 +233,12 @@ class TestGatewayOverVLLM:
         asyncio.run(scenario())
 
     def test_versions_follow_vllms_weight_label_and_split_mid_completion(self, gateway, upstream):
-        """vLLM relabels its weights (pause keep, new label, resume) once the 16 running
+        """vLLM relabels its weights (new label under a keep-mode pause) once the 16 running
         completions have begun, then after every 40 more tokens of each: their versions
-        change inside them, never go back. Relabelling follows vLLM's progress, not a clock:
-        each pause/resume costs a slow machine more than a decode step, and a timer then
-        starves the completions. The first relabel does not wait 40 tokens: on a loaded
-        machine one read of /metrics took ~1 s, and the completions ended before it came."""
+        change inside them, never go back. vLLM's progress is read while it is paused, so
+        it stands still while we look: on a loaded machine one read of /metrics took 25 s,
+        and completions that kept decoding meanwhile ended before the first relabel. It
+        runs freely for 0.2 s between looks (a pause costs a slow machine several steps)."""
         tokens, every, n = 240, 40, 16
 
         async def scenario():
@@ -250,17 +250,18 @@ class TestGatewayOverVLLM:
                 long = {**body, "max_tokens": tokens, "ignore_eos": True, "n": n}
                 running = asyncio.ensure_future(http.post("/v1/completions", json=long))
                 label, wait_for_tokens = 5, n  # then n * every
-                async with httpx.AsyncClient(base_url=upstream.url, timeout=60) as vllm:
+                async with httpx.AsyncClient(base_url=upstream.url, timeout=120) as vllm:
                     while not running.done():
-                        await asyncio.sleep(0.05)
-                        now = await metric(upstream.url, "vllm:generation_tokens_total")
-                        if now - seen < wait_for_tokens:
-                            continue
-                        seen, wait_for_tokens = now, n * every
+                        await asyncio.sleep(0.2)
                         await vllm.post("/pause", params={"mode": "keep"})
-                        label += 1
-                        await set_label(upstream.url, str(label))
-                        await vllm.post("/resume")
+                        try:
+                            now = await metric(upstream.url, "vllm:generation_tokens_total")
+                            if now - seen >= wait_for_tokens:
+                                seen, wait_for_tokens = now, n * every
+                                label += 1
+                                await set_label(upstream.url, str(label))
+                        finally:
+                            await vllm.post("/resume")
                 return labelled, (await running).json(), label
 
         try:
