@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import torch
 
+from asyncgrpo.trainer import fused_head
+
 DEFAULT_CHUNK_ROWS = 512
 HEAD_GRAD_BUFFER_BYTES = 256 << 20  # low-precision logit gradients held for one matmul
 KEPT_LOGITS_BYTES = 512 << 20  # logits up to this size are kept: the backward skips the recompute
@@ -111,14 +113,11 @@ def outside_support(z: torch.Tensor, threshold: torch.Tensor, targets: torch.Ten
     return outside.scatter_(1, targets[:, None], False)
 
 
-def _chunk_logits(hidden, weight, bias, temperature, out=None) -> torch.Tensor:
-    """Fresh (c, V) float32 logits / temperature, safe to modify in place; the head's own
-    product is written to `out` (kept for the backward) when given."""
+def _product(hidden, weight, bias, out=None) -> torch.Tensor:
+    """The head's (c, V) product in its own dtype, into `out` when given."""
     if bias is None:
-        logits = torch.mm(hidden, weight.t(), out=out)
-    else:
-        logits = torch.addmm(bias, hidden, weight.t(), out=out)
-    return _float_logits(logits, temperature, copy=out is not None)
+        return torch.mm(hidden, weight.t(), out=out)
+    return torch.addmm(bias, hidden, weight.t(), out=out)
 
 
 def _float_logits(logits, temperature, copy: bool = False) -> torch.Tensor:
@@ -169,25 +168,15 @@ class _LMHeadLogProbs(torch.autograd.Function):
         for s in range(0, n, chunk_rows):
             rows = slice(s, s + chunk_rows)
             out = None if kept is None else kept[rows]
-            z = _chunk_logits(hidden[rows], weight, bias, temperature, out)  # (c, V)
-            picked = z.gather(1, targets[rows, None]).squeeze(1)  # (c,)
-            outside = None
+            product = _product(hidden[rows], weight, bias, out)  # (c, V) in `dtype`
+            stats = _chunk_stats(
+                product, out is not None, targets[rows], temperature, top_p, with_entropy
+            )
+            logprobs[rows], lse[rows], mean, bound = stats
+            if with_entropy:
+                mean_z[rows] = mean
             if top_p < 1:
-                threshold[rows] = nucleus_threshold(z, top_p)
-                outside = outside_support(z, threshold[rows], targets[rows])  # (c, V)
-            # logsumexp by hand, to reuse exp(z - max) for the entropy: 4-5 passes over
-            # the chunk instead of 9 (the chunk's elementwise work rivals its matmul on CPU)
-            row_max = z.amax(dim=-1)  # (c,) also the support's max: it holds the top token
-            shifted = z.sub_(row_max[:, None])  # (c, V) in place
-            e = shifted.exp() if with_entropy else shifted.exp_()  # (c, V)
-            if outside is not None:
-                e.masked_fill_(outside, 0.0)
-            total = e.sum(-1)  # (c,)
-            lse[rows] = row_max + total.log()
-            logprobs[rows] = picked - lse[rows]
-            if with_entropy:  # E_p[z] = Σ e·(z - max) / Σ e + max, one dot per row
-                dots = torch.linalg.vecdot(e, shifted)  # (c,) 2x a batched matmul's speed
-                mean_z[rows] = dots / total + row_max
+                threshold[rows] = bound
         ctx.save_for_backward(hidden, weight, bias, targets, lse, mean_z, threshold, kept)
         ctx.temperature, ctx.chunk_rows, ctx.with_entropy = temperature, chunk_rows, with_entropy
         entropy = lse - mean_z if with_entropy else hidden.new_zeros(n, dtype=torch.float32)
@@ -205,20 +194,18 @@ class _LMHeadLogProbs(torch.autograd.Function):
         use_entropy = ctx.with_entropy and grad_entropy is not None
         for s in range(0, hidden.shape[0], chunk_rows):
             rows = slice(s, s + chunk_rows)
-            if kept is None:
-                z = _chunk_logits(hidden[rows], weight, bias, temperature)  # (c, V)
-            else:
-                z = _float_logits(kept[rows], temperature, copy=True)  # backward may rerun
-            grad_z = _logit_gradient(
-                z,
+            fresh = kept is None  # a recomputed product may be worked on in place
+            product = _product(hidden[rows], weight, bias) if fresh else kept[rows]  # (c, V)
+            grad_z = _chunk_gradient(
+                product,
+                fresh,
+                temperature,
                 lse[rows],
                 targets[rows],
                 threshold[rows] if threshold.numel() else None,
                 grad_logprobs[rows],
                 (mean_z[rows], grad_entropy[rows]) if use_entropy else None,
             )
-            if temperature != 1.0:
-                grad_z.div_(temperature)
             grad_logits = grad_z.to(hidden.dtype) if head is None else head.add(grad_z, s)
             if need_h:
                 torch.mm(grad_logits, weight, out=grad_h[rows])
@@ -228,6 +215,46 @@ class _LMHeadLogProbs(torch.autograd.Function):
         grad_w = head.result().to(weight_dtype) if need_w else None
         grad_b = grad_b.to(bias_dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+
+
+def _chunk_stats(product, kept, targets, temperature, top_p, with_entropy):
+    """(log-probs of `targets`, logsumexp over the support, E_p[z] (None without entropy),
+    nucleus threshold (None without a nucleus)), each (c,), of one chunk of the head's
+    product (c, V) (`kept`: to be left as it is, for the backward)."""
+    if top_p == 1 and fused_head.wanted(*product.shape, product.device):
+        return *fused_head.chunk_stats(product, targets, temperature), None
+    z = _float_logits(product, temperature, copy=kept)  # (c, V)
+    picked = z.gather(1, targets[:, None]).squeeze(1)  # (c,)
+    threshold = outside = None
+    if top_p < 1:
+        threshold = nucleus_threshold(z, top_p)
+        outside = outside_support(z, threshold, targets)  # (c, V)
+    # logsumexp by hand, to reuse exp(z - max) for the mean logit: 4-5 passes over the
+    # chunk instead of 9 (the chunk's elementwise work rivals its matmul on CPU)
+    row_max = z.amax(dim=-1)  # (c,) also the support's max: it holds the top token
+    shifted = z.sub_(row_max[:, None])  # (c, V) in place
+    e = shifted.exp() if with_entropy else shifted.exp_()  # (c, V)
+    if outside is not None:
+        e.masked_fill_(outside, 0.0)
+    total = e.sum(-1)  # (c,)
+    lse = row_max + total.log()
+    mean_z = None
+    if with_entropy:  # E_p[z] = Σ e·(z - max) / Σ e + max, one dot per row
+        mean_z = torch.linalg.vecdot(e, shifted) / total + row_max  # 2x a batched matmul
+    return picked - lse, lse, mean_z, threshold
+
+
+def _chunk_gradient(product, fresh, temperature, lse, targets, threshold, g_lp, entropy):
+    """(c, V) gradient of a chunk's loss with respect to the head's product (c, V) (its own
+    dtype; `fresh`: not kept, so it may be overwritten): float32 from eager ops, in the
+    product's dtype from the fused pass (`fused_head`)."""
+    if threshold is None and fused_head.wanted(*product.shape, product.device):
+        zeros = torch.zeros_like(lse)
+        mean_z, g_ent = entropy if entropy else (zeros, zeros)
+        return fused_head.logit_gradient(product, lse, targets, g_lp, mean_z, g_ent, temperature)
+    z = _float_logits(product, temperature, copy=not fresh)
+    grad_z = _logit_gradient(z, lse, targets, threshold, g_lp, entropy)
+    return grad_z.div_(temperature) if temperature != 1.0 else grad_z
 
 
 def _logit_gradient(z, lse, targets, threshold, g_lp, entropy) -> torch.Tensor:
