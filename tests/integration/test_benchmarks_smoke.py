@@ -116,6 +116,16 @@ def test_base_rate(tmp_path, tiny_model_dir):
     assert 0.0 <= task["sampled_reward"] <= 1.0 and 0.0 <= task["greedy_reward"] <= 1.0
 
 
+def test_head_passes(tmp_path):
+    out = tmp_path / "head_passes.json"
+    run_benchmark_here(
+        "head_passes.py", *("--rows", "96", "--repeats", "1", "--threads", "1", "--out", str(out))
+    )
+    result = read_json(out)
+    assert set(result["rows"]) == {"eager", "fused"}
+    assert all(row["forward_s"] > 0 and row["backward_s"] > 0 for row in result["rows"].values())
+
+
 def test_lora_apply(tmp_path, tiny_model_dir):
     out = tmp_path / "lora_apply.json"
     run_benchmark_here(

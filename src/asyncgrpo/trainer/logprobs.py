@@ -14,7 +14,8 @@ recomputes each chunk's logits. Peak memory of the head is then one chunk of
 logits instead of all of them, for the price of one extra head matmul in the
 backward pass (the Liger-kernel / "fused linear cross-entropy" idea, on CPU).
 Callers apply it only to the rows that predict a completion token, so a long
-prompt never pays for the vocabulary projection.
+prompt never pays for the vocabulary projection. On a CPU the passes over a large
+chunk's logits run as one compiled kernel each way (`fused_head.py`).
 
 Nucleus sampling (`top_p < 1`). The engine samples from the temperature-scaled
 distribution truncated to its nucleus and renormalised, and reports that
@@ -300,7 +301,8 @@ class _HeadWeightGradient:
         self.held = 0  # first row of `hidden` whose logit gradient the buffer holds
 
     def add(self, grad_z: torch.Tensor, start: int) -> torch.Tensor:
-        """Take the (c, V) float32 logit gradient of rows `start`..; it in the head's dtype."""
+        """Take the (c, V) logit gradient of rows `start`.. (float32, or the fused pass's in the
+        head's dtype); return it in the head's dtype."""
         rows = slice(start, start + grad_z.shape[0])
         if self.buffer is None:
             grad_logits = grad_z.to(self.hidden.dtype)
