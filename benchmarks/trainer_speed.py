@@ -12,6 +12,8 @@ auto`), ending when the device's work is done.
 - `asyncgrpo`: the trainer `asyncgrpo train` builds (`trainer.build.policy_trainer`):
   packed rows, each group's prompt once, the LM head on completion rows only, micro-
   batches of `--micro-batch-tokens` real tokens.
+- `eager-head`: `asyncgrpo` with the LM head's per-chunk passes as eager ops instead of
+  compiled ones (`trainer/fused_head.py`), on its own copy of the model: an A/B of them.
 - `padded`: TRL's computation: prompts left-padded and completions right-padded to the
   micro-batch's longest, an attention mask, `logits_to_keep` = the completion width,
   log-softmax of the kept logits, the token-mean loss. Micro-batches hold as many
@@ -248,15 +250,32 @@ def build_systems(args, device: torch.device):
     model = AutoModelForCausalLM.from_config(model_config(args.shape), dtype=torch.float32)
     names = args.systems.split(",")
     padded_model = copy.deepcopy(model) if "padded" in names else None
+    eager_model = copy.deepcopy(model) if "eager-head" in names else None
     trainer, trainer_cfg = asyncgrpo_trainer(args, model)
     bf16 = trainer_cfg.use_bf16_autocast(device.type)
     steps = {}
     if "asyncgrpo" in names:
         steps["asyncgrpo"] = trainer.step
+    if eager_model is not None:
+        steps["eager-head"] = with_eager_head(asyncgrpo_trainer(args, eager_model)[0].step)
     if padded_model is not None:
         per_micro = max(1, args.micro_batch_tokens // (args.prompt_len + args.completion_max))
         steps["padded"] = PaddedTrainer(padded_model, device, bf16, per_micro).step
     return steps, trainer, bf16
+
+
+def with_eager_head(step):
+    """`step` with the LM head's passes as eager ops (`trainer/fused_head.py`)."""
+    from asyncgrpo.trainer import fused_head
+
+    def eager_step(groups):
+        fuse_from, fused_head.FUSE_MIN_ELEMENTS = fused_head.FUSE_MIN_ELEMENTS, 1 << 62
+        try:
+            return step(groups)
+        finally:
+            fused_head.FUSE_MIN_ELEMENTS = fuse_from
+
+    return eager_step
 
 
 def time_systems(args, steps, vocab: int, device: torch.device) -> dict[str, list[float]]:
