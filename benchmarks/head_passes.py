@@ -25,7 +25,7 @@ import torch
 from asyncgrpo.trainer import fused_head
 from asyncgrpo.trainer.logprobs import lm_head_token_logprobs
 
-SYSTEMS = {"eager": 1 << 62, "fused": fused_head.FUSE_MIN_ELEMENTS}  # chunks fused from
+SYSTEMS = {"eager": fused_head.eager_passes, "fused": nullcontext}
 
 
 def one_pass(head, hidden, targets, weights, bf16: bool) -> tuple[float, float]:
@@ -58,15 +58,12 @@ def main() -> int:
     weights = torch.randn(args.rows)
     bf16 = args.dtype == "bfloat16"
     seconds: dict[str, list[tuple[float, float]]] = {name: [] for name in SYSTEMS}
-    try:
-        for repeat in range(args.repeats + 1):  # the first round warms up (and compiles)
-            for name, fuse_from in SYSTEMS.items():
-                fused_head.FUSE_MIN_ELEMENTS = fuse_from
+    for repeat in range(args.repeats + 1):  # the first round warms up (and compiles)
+        for name, passes in SYSTEMS.items():
+            with passes():
                 timing = one_pass(head, hidden, targets, weights, bf16)
-                if repeat:
-                    seconds[name].append(timing)
-    finally:
-        fused_head.FUSE_MIN_ELEMENTS = SYSTEMS["fused"]
+            if repeat:
+                seconds[name].append(timing)
     print(f"{args.rows} rows x 576 -> 49152, {args.dtype}, {args.threads} threads")
     print(f"{'system':8s} {'forward s':>10s} {'backward s':>11s} {'total s':>8s}")
     rows = {}

@@ -269,11 +269,8 @@ def with_eager_head(step):
     from asyncgrpo.trainer import fused_head
 
     def eager_step(groups):
-        fuse_from, fused_head.FUSE_MIN_ELEMENTS = fused_head.FUSE_MIN_ELEMENTS, 1 << 62
-        try:
+        with fused_head.eager_passes():
             return step(groups)
-        finally:
-            fused_head.FUSE_MIN_ELEMENTS = fuse_from
 
     return eager_step
 

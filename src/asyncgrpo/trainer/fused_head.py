@@ -18,6 +18,7 @@ The nucleus (`top_p < 1`) path stays eager too.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -36,6 +37,17 @@ def wanted(rows: int, vocab: int, device: torch.device) -> bool:
         and not _state["broken"]
         and not torch.compiler.is_compiling()
     )
+
+
+@contextlib.contextmanager
+def eager_passes():
+    """Every chunk through eager ops inside this block (a benchmark's A/B)."""
+    global FUSE_MIN_ELEMENTS
+    fuse_from, FUSE_MIN_ELEMENTS = FUSE_MIN_ELEMENTS, 1 << 62
+    try:
+        yield
+    finally:
+        FUSE_MIN_ELEMENTS = fuse_from
 
 
 def _stats(product: torch.Tensor, targets: torch.Tensor, temperature: float):

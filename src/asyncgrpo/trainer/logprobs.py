@@ -250,8 +250,7 @@ def _chunk_gradient(product, fresh, temperature, lse, targets, threshold, g_lp, 
     dtype; `fresh`: not kept, so it may be overwritten): float32 from eager ops, in the
     product's dtype from the fused pass (`fused_head`)."""
     if threshold is None and fused_head.wanted(*product.shape, product.device):
-        zeros = torch.zeros_like(lse)
-        mean_z, g_ent = entropy if entropy else (zeros, zeros)
+        mean_z, g_ent = entropy if entropy else (torch.zeros_like(lse),) * 2
         return fused_head.logit_gradient(product, lse, targets, g_lp, mean_z, g_ent, temperature)
     z = _float_logits(product, temperature, copy=not fresh)
     grad_z = _logit_gradient(z, lse, targets, threshold, g_lp, entropy)
