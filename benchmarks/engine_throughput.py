@@ -188,7 +188,7 @@ def embedded_command(args, model_dir: str) -> tuple[list[str], dict]:
     cmd = [sys.executable, "-m", "asyncgrpo.cli", "serve", "--model", model_dir]
     cmd += ["--dtype", "bfloat16", "--served-model-name", "bench"]
     cmd += ["--num-threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs)]
-    cmd += ["--max-model-len", str(args.max_model_len)]
+    cmd += ["--max-model-len", str(args.max_model_len)] + args.embedded_args.split()
     return cmd, dict(os.environ, OMP_NUM_THREADS=str(args.threads))
 
 
@@ -337,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--vllm-args", default="", help="extra vLLM server arguments, e.g. --enforce-eager"
+    )
+    parser.add_argument(
+        "--embedded-args",
+        default="",
+        help="extra `asyncgrpo serve` arguments, e.g. --compute-dtype float32",
     )
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds to healthy")
     parser.add_argument(

@@ -82,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_batch_arguments(ap)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--attention", choices=["auto", "segments", "varlen", "mask"], default="auto")
+    ap.add_argument(
+        "--autocast", choices=["auto", "on", "off"], default="auto", help="trainer.bf16_autocast"
+    )
     ap.add_argument("--steps", type=int, default=4, help="timed steps per system")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per system first")
     ap.add_argument("--profile", type=Path, help="write a profile of one asyncgrpo step here")
@@ -233,6 +236,7 @@ def asyncgrpo_trainer(args, model):
             "device": args.device,
             "num_threads": args.threads,
             "attention": args.attention,
+            "bf16_autocast": {"auto": "auto", "on": True, "off": False}[args.autocast],
             "micro_batch_tokens": args.micro_batch_tokens,
             "learning_rate": 1e-6,
         },

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import time
+
 
 def cpu_has_native_bf16() -> bool:
     """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX); otherwise fp32 is faster."""
@@ -11,6 +14,43 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+BF16_MARGIN = 1.2
+"""bf16 must multiply at least this much faster than fp32 to be chosen for training: fp32 is
+the more exact of the two, so a near tie goes to it (and a tie measured on a noisy machine
+cannot flip the choice from run to run)."""
+
+
+@functools.cache
+def cpu_bf16_matmul_pays() -> bool:
+    """True when this CPU's bf16 matmuls are clearly faster than fp32 ones: the flags say
+    native bf16 and a timed product agrees (~0.2 s, once per process).
+
+    The flags alone mislead: on a 2-core Xeon VM that reports AVX512-BF16 but no AMX, oneDNN's
+    bf16 kernel ran a 2048x576x1536 product at 0.08 TFLOP/s and MKL's fp32 one at 0.16, so
+    bf16 autocast would halve the trainer's speed; with AMX bf16 is ~5x fp32, on an
+    AVX512-BF16 EPYC 2-3x."""
+    if not cpu_has_native_bf16():
+        return False
+    import torch
+
+    return _matmul_seconds(torch.float32) >= BF16_MARGIN * _matmul_seconds(torch.bfloat16)
+
+
+def _matmul_seconds(dtype, rows: int = 1024, inner: int = 576, out: int = 1536) -> float:
+    """The fastest of 3 timed `linear`s after a warm-up, at a small model's MLP shape."""
+    import torch
+
+    x = torch.randn(rows, inner, dtype=dtype)
+    w = torch.randn(out, inner, dtype=dtype)
+    torch.nn.functional.linear(x, w)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 # glibc's mallopt parameters (malloc.h)

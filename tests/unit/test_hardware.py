@@ -1,4 +1,6 @@
-"""`keep_freed_memory`: a large block freed and allocated again stops being faulted in."""
+"""`keep_freed_memory`: a large block freed and allocated again stops being faulted in.
+`cpu_bf16_matmul_pays`: bf16 training only where the flags and a timed matmul agree, and
+data-parallel ranks on a CPU take rank 0's choice."""
 
 import json
 import platform
@@ -6,6 +8,10 @@ import subprocess
 import sys
 
 import pytest
+
+from asyncgrpo import hardware
+from asyncgrpo.config import TrainerConfig
+from asyncgrpo.ports import free_port
 
 # a 64 MB tensor allocated, written and freed, round after round: each round's page faults
 ROUNDS_OF_FAULTS = """
@@ -36,3 +42,62 @@ def test_freed_block_is_reused_without_page_faults():
     assert min(faults_per_round("default")[-10:]) > PAGES // 2
     # kept: after a few rounds (freed blocks coalesce into one that fits) none are faulted
     assert sum(faults_per_round("keep")[-10:]) < PAGES // 10
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    """`cpu_bf16_matmul_pays` with native-bf16 flags and the given seconds per matmul."""
+
+    def patch(flags: bool, fp32: float, bf16: float) -> bool:
+        import torch
+
+        seconds = {torch.float32: fp32, torch.bfloat16: bf16}
+        monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: flags)
+        monkeypatch.setattr(hardware, "_matmul_seconds", lambda dtype: seconds[dtype])
+        hardware.cpu_bf16_matmul_pays.cache_clear()
+        return TrainerConfig().use_bf16_autocast("cpu")
+
+    yield patch
+    hardware.cpu_bf16_matmul_pays.cache_clear()
+
+
+def test_bf16_autocast_needs_the_flags_and_a_faster_timed_matmul(timed):
+    assert timed(flags=True, fp32=1.0, bf16=0.2)  # AMX: bf16 5x fp32
+    assert not timed(flags=True, fp32=1.0, bf16=2.0)  # AVX512-BF16 without AMX, measured
+    assert not timed(flags=True, fp32=1.0, bf16=0.9)  # a near tie goes to fp32
+    assert not timed(flags=False, fp32=1.0, bf16=0.1)  # no native bf16: not even timed
+    assert TrainerConfig(bf16_autocast=True).use_bf16_autocast("cpu")
+
+
+def test_the_timed_matmul_is_cached_for_the_process(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(hardware, "_matmul_seconds", lambda dtype: calls.append(dtype) or 1.0)
+    hardware.cpu_bf16_matmul_pays.cache_clear()
+    try:
+        assert hardware.cpu_bf16_matmul_pays() == hardware.cpu_bf16_matmul_pays()
+    finally:
+        hardware.cpu_bf16_matmul_pays.cache_clear()
+    assert len(calls) == 2  # one fp32 and one bf16 measurement, once
+
+
+RANKS_AGREE = """
+import os, sys, torch.distributed as dist
+from asyncgrpo.trainer.distributed import broadcast_flag
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method="tcp://127.0.0.1:" + sys.argv[2])
+print(broadcast_flag(rank == 1))  # rank 0 says False, rank 1 True
+dist.destroy_process_group()
+"""
+
+
+def test_data_parallel_ranks_take_rank_0s_autocast_choice():
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANKS_AGREE, str(rank), port], stdout=subprocess.PIPE, text=True
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert outs == ["False", "False"]

@@ -108,9 +108,11 @@ class TrainerConfig(Section):
     else mask."""
     bf16_autocast: bool | Literal["auto"] = "auto"
     """Run the trainer's forward under bf16 autocast. `auto`: on a GPU where it has bf16
-    (Ampere and later), on a CPU where it multiplies bf16 natively (AVX512-BF16 or AMX:
+    (Ampere and later), on a CPU where it multiplies bf16 natively and a timed matmul
+    finds bf16 faster than fp32 (`hardware.cpu_bf16_matmul_pays`; with AMX:
     ~2.5x faster forward+backward), off elsewhere (on AVX2-only CPUs bf16 is emulated:
-    measured 16x slower than fp32)."""
+    measured 16x slower than fp32; a VM with AVX512-BF16 but no AMX multiplied bf16 at half
+    the fp32 rate). Data-parallel ranks take rank 0's choice."""
 
     def attention_for(self, device_type: str, varlen_kernel: bool = False) -> str:
         """`attention` resolved for the trainer's device type; `varlen_kernel`: whether
@@ -129,9 +131,9 @@ class TrainerConfig(Section):
             import torch
 
             return torch.cuda.is_bf16_supported()
-        from asyncgrpo.hardware import cpu_has_native_bf16
+        from asyncgrpo.hardware import cpu_bf16_matmul_pays
 
-        return cpu_has_native_bf16()
+        return cpu_bf16_matmul_pays()
 
     num_threads: int = Field(1, ge=1)
     """torch threads of the trainer process (of each rank)."""

@@ -38,6 +38,7 @@ from asyncgrpo.trainer.distributed import (
     TrainerFailed,
     World,
     all_reduce_gradients,
+    broadcast_flag,
     broadcast_parameters,
     decode,
     encode,
@@ -229,6 +230,8 @@ def set_up_rank(core: PolicyTrainer, world: World, sharded: bool) -> None:
     broadcast_parameters(core.model)
     if core.reference is not None and core.reference.scope is None:  # a frozen copy
         broadcast_parameters(core.reference.model)
+    if core.device.type == "cpu":  # a timed matmul chose it: ranks must not disagree
+        core.bf16_autocast = broadcast_flag(core.bf16_autocast)
     core.dp_world_size = world.size
     if sharded:
         shard_trainer(core, world.size)

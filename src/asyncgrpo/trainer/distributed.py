@@ -291,6 +291,13 @@ def broadcast_parameters(model: torch.nn.Module) -> None:
             dist.broadcast(tensor.data, src=0)
 
 
+def broadcast_flag(flag: bool) -> bool:
+    """Rank 0's `flag` on every rank (a CPU process group: gloo)."""
+    tensor = torch.tensor([int(flag)])
+    dist.broadcast(tensor, src=0)
+    return bool(tensor.item())
+
+
 def share(groups_tokens: list[int], size: int) -> list[list[int]]:
     """Split groups (by index, with their token counts) over `size` ranks: largest first,
     each to the rank with the fewest tokens so far. A group stays whole."""
