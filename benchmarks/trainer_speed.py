@@ -14,6 +14,8 @@ auto`), ending when the device's work is done.
   batches of `--micro-batch-tokens` real tokens.
 - `eager-head`: `asyncgrpo` with the LM head's per-chunk passes as eager ops instead of
   compiled ones (`trainer/fused_head.py`), on its own copy of the model: an A/B of them.
+- `other-autocast`: `asyncgrpo` with `trainer.bf16_autocast` the other way round from the
+  one `--autocast` resolves to, on its own copy of the model: an A/B of the dtype choice.
 - `padded`: TRL's computation: prompts left-padded and completions right-padded to the
   micro-batch's longest, an attention mask, `logits_to_keep` = the completion width,
   log-softmax of the kept logits, the token-mean loss. Micro-batches hold as many
@@ -255,6 +257,7 @@ def build_systems(args, device: torch.device):
     names = args.systems.split(",")
     padded_model = copy.deepcopy(model) if "padded" in names else None
     eager_model = copy.deepcopy(model) if "eager-head" in names else None
+    other_model = copy.deepcopy(model) if "other-autocast" in names else None
     trainer, trainer_cfg = asyncgrpo_trainer(args, model)
     bf16 = trainer_cfg.use_bf16_autocast(device.type)
     steps = {}
@@ -262,6 +265,9 @@ def build_systems(args, device: torch.device):
         steps["asyncgrpo"] = trainer.step
     if eager_model is not None:
         steps["eager-head"] = with_eager_head(asyncgrpo_trainer(args, eager_model)[0].step)
+    if other_model is not None:
+        other = argparse.Namespace(**vars(args) | {"autocast": "off" if bf16 else "on"})
+        steps["other-autocast"] = asyncgrpo_trainer(other, other_model)[0].step
     if padded_model is not None:
         per_micro = max(1, args.micro_batch_tokens // (args.prompt_len + args.completion_max))
         steps["padded"] = PaddedTrainer(padded_model, device, bf16, per_micro).step
@@ -364,12 +370,12 @@ def print_table(args, rows, ceiling, device_name: str) -> None:
     )
     padded = next((r["step_s"] for r in rows if r["system"] == "padded"), None)
     print(
-        f"{'system':<10} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'mfu':>6} {'of peak':>8} {'vs padded':>10}"
+        f"{'system':<14} {'step s':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'mfu':>6} {'of peak':>8} {'vs padded':>10}"
     )
     for r in rows:
         ratio = f"{padded / r['step_s']:.2f}x" if padded else "-"
         print(
-            f"{r['system']:<10} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.3f} "
+            f"{r['system']:<14} {r['step_s']:>8.3f} {r['tokens_per_s']:>10.0f} {r['tflops']:>8.3f} "
             f"{r['mfu']:>6.1%} {r['mfu_of_peak']:>8.1%} {ratio:>10}"
         )
 

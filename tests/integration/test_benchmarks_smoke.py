@@ -63,10 +63,10 @@ def test_trainer_speed(tmp_path):
         *("--shape", "tiny", "--threads", "1", "--groups", "2", "--group-size", "2"),
         *("--prompt-len", "8", "--completion-min", "4", "--completion-max", "12"),
         *("--steps", "1", "--warmup", "0", "--profile", str(profile), "--out", str(out)),
-        *("--systems", "asyncgrpo,eager-head,padded"),
+        *("--systems", "asyncgrpo,eager-head,other-autocast,padded"),
     )
     rows = {r["system"]: r for r in read_json(out)["rows"]}
-    assert set(rows) == {"asyncgrpo", "eager-head", "padded"}
+    assert set(rows) == {"asyncgrpo", "eager-head", "other-autocast", "padded"}
     assert all(r["step_s"] > 0 and r["mfu"] > 0 for r in rows.values())
     assert "By input shape" in profile.read_text()
 
