@@ -293,6 +293,7 @@ def broadcast_parameters(model: torch.nn.Module) -> None:
 
 def broadcast_flag(flag: bool) -> bool:
     """Rank 0's `flag` on every rank (a CPU process group: gloo)."""
+    require_collective_thread("the flag broadcast")
     tensor = torch.tensor([int(flag)])
     dist.broadcast(tensor, src=0)
     return bool(tensor.item())
