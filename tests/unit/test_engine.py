@@ -407,3 +407,18 @@ def test_a_failing_prefill_forward_fails_its_requests_instead_of_hanging(engine,
     assert not engine.scheduler.live
     assert len(run(collect(engine, prompt, max_tokens=2, ignore_eos=True))[0]["ids"]) == 2
     assert calls["n"] == 2
+
+
+def test_only_the_engine_thread_computes_on_several_threads(tiny_model_dir):
+    """libgomp throttles every pool once two threads own one (engine.py): the thread that
+    builds the engine stays on one thread, the engine thread takes `num_threads`."""
+    before = torch.get_num_threads()
+    eng = Engine(EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=2))
+    try:
+        assert torch.get_num_threads() == 1
+        eng.start()
+        assert run(eng._run_on_engine(torch.get_num_threads)) == 2
+        assert torch.get_num_threads() == 1  # the engine's setting is its own thread's
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(before)

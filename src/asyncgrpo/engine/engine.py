@@ -130,8 +130,15 @@ class Engine(_EngineThread):
         self.config = config
         self.dtype = getattr(torch, config.resolved_dtype())
         self.compute_dtype = getattr(torch, config.resolved_compute_dtype())
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # PyTorch's OpenMP (libgomp) gives each thread that starts parallel work its own
+        # pool of workers, and once a process holds more pool threads than cores, workers
+        # sleep between parallel regions instead of spinning: every op of a decode step
+        # then waits for a wake-up (measured at batch 32, 2 threads: 36 ms a step when the
+        # engine thread holds the only pool, 65-125 ms beside one the loading thread
+        # left). So this thread loads the model on one thread, starting no pool, and the
+        # engine thread takes `num_threads` for itself when it starts (`_loop`).
+        self.num_threads = config.num_threads or torch.get_num_threads()
+        torch.set_num_threads(1)
         self.tokenizer, model = load_model(config.model, self.dtype, self.compute_dtype)
         self.model = model
         self.max_model_len = context_limit(config, model)
@@ -323,6 +330,7 @@ class Engine(_EngineThread):
     # ---- engine thread ---------------------------------------------------------
 
     def _loop(self) -> None:
+        torch.set_num_threads(self.num_threads)  # this thread's own OpenMP pool (__init__)
         # Cache tensors are created and updated only here, all as inference tensors.
         with torch.inference_mode():
             self._serve_forever()
