@@ -54,6 +54,38 @@ def _matmul_seconds(dtype, rows: int = 1024, inner: int = 576, out: int = 1536) 
     return best
 
 
+def use_threads_here(count: int) -> None:
+    """Run the calling thread's torch ops on `count` OpenMP threads.
+
+    PyTorch's OpenMP (libgomp) gives each thread that starts parallel work its own pool of
+    workers, and once a process holds more pool threads than cores, every pool's workers
+    sleep between parallel regions instead of spinning, so each small op waits for a
+    wake-up: the engine's decode step at batch 32 on 2 cores took 36 ms on the one thread
+    that held a pool and 65-125 ms beside a second pool. So in a process one thread
+    computes on several threads (the engine's, the trainer's) and helper threads that copy
+    tensors run on one (`one_thread`).
+
+    PyTorch copies the process-wide count into a thread's own at its first parallel op,
+    which would undo a setting made before it: asking for the count first takes that copy.
+    """
+    import torch
+
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
+def one_thread(fn):
+    """`fn` for a helper thread (`asyncio.to_thread`, an executor): its torch ops run on
+    one OpenMP thread and so start no second pool (`use_threads_here`)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        use_threads_here(1)
+        return fn(*args, **kwargs)
+
+    return run
+
+
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4

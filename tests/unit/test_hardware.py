@@ -1,13 +1,16 @@
 """`keep_freed_memory`: a large block freed and allocated again stops being faulted in.
 `cpu_bf16_matmul_pays`: bf16 training only where the flags and a timed matmul agree, and
-data-parallel ranks on a CPU take rank 0's choice."""
+data-parallel ranks on a CPU take rank 0's choice. `use_threads_here`: a thread keeps its own
+OpenMP thread count."""
 
 import json
 import platform
 import subprocess
 import sys
+import threading
 
 import pytest
+import torch
 
 from asyncgrpo import hardware
 from asyncgrpo.config import TrainerConfig
@@ -101,3 +104,37 @@ def test_data_parallel_ranks_take_rank_0s_autocast_choice():
     ]
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert outs == ["False", "False"]
+
+
+def test_a_threads_own_count_survives_a_later_process_wide_change():
+    """PyTorch copies the process-wide count into a thread at its first op: a count set
+    before that must not be overwritten by a change made elsewhere in between."""
+    before = torch.get_num_threads()
+    set_here, changed = threading.Event(), threading.Event()
+    seen = []
+
+    def helper():
+        hardware.use_threads_here(1)
+        set_here.set()
+        changed.wait(10)
+        torch.ones(64).add_(1)  # its first op
+        seen.append(torch.get_num_threads())
+
+    @hardware.one_thread
+    def one_thread_count():
+        return torch.get_num_threads()
+
+    try:
+        thread = threading.Thread(target=helper)
+        thread.start()
+        set_here.wait(10)
+        torch.set_num_threads(2)  # as the trainer's core sharing does between layers
+        changed.set()
+        thread.join(10)
+        assert seen == [1]
+        wrapped = threading.Thread(target=lambda: seen.append(one_thread_count()))
+        wrapped.start()
+        wrapped.join(10)
+        assert seen == [1, 1]  # `one_thread` with the process-wide count at 2
+    finally:
+        torch.set_num_threads(before)

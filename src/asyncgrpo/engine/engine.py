@@ -54,6 +54,7 @@ from asyncgrpo.engine.request import Request
 from asyncgrpo.engine.runner import ModelRunner
 from asyncgrpo.engine.scheduler import Scheduler
 from asyncgrpo.engine.types import PauseMode, RequestError, SamplingParams, TokenDelta
+from asyncgrpo.hardware import use_threads_here
 
 logger = logging.getLogger(__name__)
 HEAD = "lm_head.weight"  # an adapter on a head tied to the embedding unties them
@@ -130,13 +131,8 @@ class Engine(_EngineThread):
         self.config = config
         self.dtype = getattr(torch, config.resolved_dtype())
         self.compute_dtype = getattr(torch, config.resolved_compute_dtype())
-        # PyTorch's OpenMP (libgomp) gives each thread that starts parallel work its own
-        # pool of workers, and once a process holds more pool threads than cores, workers
-        # sleep between parallel regions instead of spinning: every op of a decode step
-        # then waits for a wake-up (measured at batch 32, 2 threads: 36 ms a step when the
-        # engine thread holds the only pool, 65-125 ms beside one the loading thread
-        # left). So this thread loads the model on one thread, starting no pool, and the
-        # engine thread takes `num_threads` for itself when it starts (`_loop`).
+        # Only the engine thread may compute on several threads (`use_threads_here`): this
+        # one loads the model on one thread, starting no OpenMP pool of its own.
         self.num_threads = config.num_threads or torch.get_num_threads()
         torch.set_num_threads(1)
         self.tokenizer, model = load_model(config.model, self.dtype, self.compute_dtype)
@@ -330,7 +326,7 @@ class Engine(_EngineThread):
     # ---- engine thread ---------------------------------------------------------
 
     def _loop(self) -> None:
-        torch.set_num_threads(self.num_threads)  # this thread's own OpenMP pool (__init__)
+        use_threads_here(self.num_threads)  # the process's only OpenMP pool (__init__)
         # Cache tensors are created and updated only here, all as inference tensors.
         with torch.inference_mode():
             self._serve_forever()

@@ -34,6 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from asyncgrpo.hardware import use_threads_here
 from asyncgrpo.trainer.sharded import full, like
 
 logger = logging.getLogger(__name__)
@@ -310,7 +311,9 @@ class Checkpointer:
         self.every = every
         self.snapshot_every = snapshot_every
         self.snapshot_dtype = snapshot_dtype
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, "weights-writer")
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            1, "weights-writer", initializer=use_threads_here, initargs=(1,)
+        )  # a second OpenMP pool would slow the trainer's (hardware.py)
         self._writing: tuple[concurrent.futures.Future, Path] | None = None
 
     def maybe_save(

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from asyncgrpo.hardware import one_thread
 from asyncgrpo.transport.base import FourStepTransport
 from asyncgrpo.transport.layout import Layout, plan_layout, write_image
 
@@ -54,7 +55,7 @@ class DiskTransport(FourStepTransport):
     async def send(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         layout = plan_layout(tensors)
         await asyncio.to_thread(
-            write_safetensors_file, self.directory / WEIGHTS_FILE, layout, tensors
+            one_thread(write_safetensors_file), self.directory / WEIGHTS_FILE, layout, tensors
         )
         await self.client.update_weights({"path": str(self.directory)})
 

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import torch
 
+from asyncgrpo.hardware import one_thread
 from asyncgrpo.transport.base import FourStepTransport
 from asyncgrpo.transport.layout import plan_layout, write_image
 
@@ -43,7 +44,7 @@ class HttpTransport(FourStepTransport):
         for group in split_by_size(tensors, self.max_chunk_bytes):
             layout = plan_layout(group)
             buffer = bytearray(layout.total_size)
-            await asyncio.to_thread(write_image, buffer, layout, group)
+            await asyncio.to_thread(one_thread(write_image), buffer, layout, group)
 
             async def body(data: memoryview = memoryview(buffer)) -> AsyncIterator[bytes]:
                 for start in range(0, len(data), PIECE_BYTES):

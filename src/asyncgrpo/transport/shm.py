@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from asyncgrpo.hardware import one_thread
 from asyncgrpo.transport.base import FourStepTransport
 from asyncgrpo.transport.layout import plan_layout, write_image
 
@@ -128,7 +129,7 @@ class ShmTransport(FourStepTransport):
         if self._segment is None or self._segment.size != layout.total_size:
             self._release()
             self._segment = SharedSegment(layout.total_size, self.directory)
-        await asyncio.to_thread(write_image, self._segment.buffer, layout, tensors)
+        await asyncio.to_thread(one_thread(write_image), self._segment.buffer, layout, tensors)
         return layout
 
     def _release(self) -> None:
