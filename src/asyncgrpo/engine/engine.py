@@ -67,7 +67,10 @@ class _EngineThread:
     returns once `_stop` is set; `_wake` is set whenever there is news for it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, num_threads: int = 1) -> None:
+        # the engine thread's torch threads: the process's only OpenMP pool, as a second one
+        # would slow both (hardware.use_threads_here); the thread that builds it uses one
+        self.num_threads = num_threads
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -78,8 +81,12 @@ class _EngineThread:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="asyncgrpo-engine", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="asyncgrpo-engine", daemon=True)
             self._thread.start()
+
+    def _run(self) -> None:
+        use_threads_here(self.num_threads)
+        self._loop()
 
     def shutdown(self) -> None:
         self._stop = True
@@ -131,10 +138,8 @@ class Engine(_EngineThread):
         self.config = config
         self.dtype = getattr(torch, config.resolved_dtype())
         self.compute_dtype = getattr(torch, config.resolved_compute_dtype())
-        # Only the engine thread may compute on several threads (`use_threads_here`): this
-        # one loads the model on one thread, starting no OpenMP pool of its own.
-        self.num_threads = config.num_threads or torch.get_num_threads()
-        torch.set_num_threads(1)
+        threads = config.num_threads or torch.get_num_threads()
+        torch.set_num_threads(1)  # only the engine thread computes on several (`_EngineThread`)
         self.tokenizer, model = load_model(config.model, self.dtype, self.compute_dtype)
         self.model = model
         self.max_model_len = context_limit(config, model)
@@ -150,7 +155,7 @@ class Engine(_EngineThread):
         self._adapters = AdapterMerge(self._params, self.dtype)
         self._paused: PauseMode | None = None
         self._pause_waiters: list[Callable[[], None]] = []
-        super().__init__()
+        super().__init__(threads)
         self._ids = itertools.count()
         self.busy_seconds = 0.0
         self._busy_flag = BusyFlag.from_env()  # tells a trainer on this machine (core_share)
@@ -326,7 +331,6 @@ class Engine(_EngineThread):
     # ---- engine thread ---------------------------------------------------------
 
     def _loop(self) -> None:
-        use_threads_here(self.num_threads)  # the process's only OpenMP pool (__init__)
         # Cache tensors are created and updated only here, all as inference tensors.
         with torch.inference_mode():
             self._serve_forever()
