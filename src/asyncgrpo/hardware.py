@@ -74,6 +74,13 @@ def use_threads_here(count: int) -> None:
     torch.set_num_threads(count)
 
 
+def threads_here() -> int:
+    """The calling thread's torch thread count (what `use_threads_here` gave it)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def one_thread(fn):
     """`fn` for a helper thread (`asyncio.to_thread`, an executor): its torch ops run on
     one OpenMP thread and so start no second pool (`use_threads_here`)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncgrpo.hardware import threads_here, use_threads_here
 from asyncgrpo.tinker import wire
 from asyncgrpo.tinker.checkpoints import CheckpointStore, check_name, tinker_path
 from asyncgrpo.tinker.errors import TinkerUserError
@@ -83,7 +84,11 @@ class TinkerService:
         self.sessions: dict[str, Session] = {}
         self._order: dict[str, SeqOrder] = {}
         self._latest: dict[str, tuple[int, Any]] = {}  # model id → (version, its weights)
-        self._trainer = ThreadPoolExecutor(1, thread_name_prefix="tinker-train")
+        # the trainer's thread computes on this (building) thread's count, not on whatever
+        # process-wide count it would copy at its first op (hardware.use_threads_here)
+        self._trainer = ThreadPoolExecutor(
+            1, "tinker-train", initializer=use_threads_here, initargs=(threads_here(),)
+        )
 
     # ---- sessions ----------------------------------------------------------------
 
