@@ -27,6 +27,7 @@ refused with a clear error rather than run subtly wrong.
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 
@@ -343,28 +344,36 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`prefill`, plus the final hidden states (R, T, hidden) of every position, T the
         longest chunk (a row's positions past its own chunk are padding): `logits(hidden)`
-        gives any position's logits (prompt log-probs, prompt_logprobs.py)."""
+        gives any position's logits (prompt log-probs, prompt_logprobs.py).
+
+        The linear layers run on the chunks' tokens packed end to end, not padded to the
+        longest chunk (a step's rows start after prefix-cache hits of different lengths:
+        half of a padded batch was padding); only attention lays queries out by row."""
         self._refresh()
         n = len(chunks)
         lengths = [len(c) for c in chunks]
         t = max(lengths)
         ends = [s + m for s, m in zip(starts, lengths, strict=True)]
         self.ensure_capacity(max(ends))
-        tokens = torch.zeros(n, t, dtype=torch.long)
-        for r, chunk in enumerate(chunks):
-            tokens[r, : len(chunk)] = torch.tensor(chunk, dtype=torch.long)
-        start_t = torch.tensor(starts).unsqueeze(1)
-        positions = (start_t + torch.arange(t)).clamp_(max=self.max_model_len - 1)  # (R, T)
+        tokens = torch.tensor([token for chunk in chunks for token in chunk], dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths))  # (N,) packed
+        cols = torch.cat([torch.arange(m) for m in lengths])  # (N,) index within the chunk
+        positions = (torch.tensor(starts)[rows] + cols).unsqueeze(0)  # (1, N)
+        offsets = [0, *itertools.accumulate(lengths)]
         pieces = prefill_pieces(slots, starts, ends)
-        h = F.embedding(tokens, self.embed)  # (R, T, hidden)
+        h = F.embedding(tokens, self.embed).unsqueeze(0)  # (1, N, hidden)
         cos, sin = self.cos[positions], self.sin[positions]
         for i, layer in enumerate(self.layers):
-            q, k, v = self._attention_input(layer, h, cos, sin)
+            q, k, v = self._attention_input(layer, h, cos, sin)  # (1, heads, N, D)
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
             for r in range(n):
-                k_cache[slots[r], :, starts[r] : ends[r]] = k[r, :, : lengths[r]]
-                v_cache[slots[r], :, starts[r] : ends[r]] = v[r, :, : lengths[r]]
-            attn = prefill_attention(q, k_cache, v_cache, pieces)  # (R, H, T, D)
-            h = self._mlp_residual(layer, h, attn.transpose(1, 2).reshape(n, t, -1))
-        last = torch.tensor(lengths) - 1
-        return self.logits(h[torch.arange(n), last]), h
+                k_cache[slots[r], :, starts[r] : ends[r]] = k[0, :, offsets[r] : offsets[r + 1]]
+                v_cache[slots[r], :, starts[r] : ends[r]] = v[0, :, offsets[r] : offsets[r + 1]]
+            by_row = q.new_zeros(n, self.num_heads, t, self.head_dim)
+            by_row[rows, :, cols] = q[0].transpose(0, 1)
+            attn = prefill_attention(by_row, k_cache, v_cache, pieces)  # (R, H, T, D)
+            h = self._mlp_residual(layer, h, attn[rows, :, cols].reshape(1, len(rows), -1))
+        hidden = h.new_zeros(n, t, h.shape[-1])
+        hidden[rows, cols] = h[0]
+        last = torch.tensor(offsets[1:]) - 1
+        return self.logits(h[0, last]), hidden
