@@ -45,6 +45,11 @@ def test_passes_match_float64_autograd(rows, dtype, tol):
     assert grad.dtype == dtype  # written in the product's dtype, for the head's matmul
     torch.testing.assert_close(grad.double(), exact.grad.to(dtype).double(), atol=tol, rtol=0.01)
 
+    out = torch.empty_like(product)
+    args = (product, lse, targets, g_lp, mean_z, g_ent, temperature)
+    assert fused_head.logit_gradient(*args, out=out).data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, grad, atol=0, rtol=0)  # the same numbers, written there
+
 
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("with_entropy", [False, True])
@@ -71,7 +76,9 @@ def test_head_logprobs_and_gradients_equal_the_eager_path(autocast, with_entropy
     monkeypatch.setitem(fused_head._state, "broken", False)
     calls = []
     original = fused_head.logit_gradient
-    monkeypatch.setattr(fused_head, "logit_gradient", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(
+        fused_head, "logit_gradient", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
     eager_values, eager_grads = run(fuse_from=1 << 62)
     assert not calls
     values, grads = run(fuse_from=0)
@@ -87,7 +94,7 @@ def test_a_failed_compile_falls_back_to_eager_ops_once(fused_everywhere, monkeyp
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setitem(fused_head._state, "compiled", [no_compiler, no_compiler])
+    monkeypatch.setitem(fused_head._state, "compiled", [no_compiler] * 3)
     product = torch.randn(3, 50)
     targets = torch.tensor([0, 7, 49])
     with caplog.at_level(logging.WARNING, logger=fused_head.__name__):

@@ -72,24 +72,33 @@ def _gradient(product, lse, targets, g_lp, mean_z, g_ent, temperature: float):
     return ((onehot - p * factor) / temperature).to(product.dtype)
 
 
+def _gradient_into(out, product, lse, targets, g_lp, mean_z, g_ent, temperature: float):
+    return out.copy_(_gradient(product, lse, targets, g_lp, mean_z, g_ent, temperature))
+
+
 def chunk_stats(product: torch.Tensor, targets: torch.Tensor, temperature: float):
     """(log-probs of `targets`, logsumexp, E_p[z]) per row of softmax(product / T), all
     (c,) float32, from the head's product (c, V) in any dtype, in one pass."""
     return _run(0, _stats, product, targets, temperature)
 
 
-def logit_gradient(product, lse, targets, g_lp, mean_z, g_ent, temperature: float):
+def logit_gradient(product, lse, targets, g_lp, mean_z, g_ent, temperature: float, out=None):
     """The (c, V) gradient, in the product's dtype, of Σ g_lp·logp_t + Σ g_ent·H with
     respect to the head's product, for rows of logsumexp `lse` and mean logit `mean_z`
-    (from `chunk_stats`); `g_ent` zeros when the entropies have no gradient."""
+    (from `chunk_stats`); `g_ent` zeros when the entropies have no gradient. Written into
+    `out` (returned) when given: the pass stores there, with no (c, V) tensor between."""
     args = (product, lse, targets, g_lp, mean_z, g_ent, temperature)
-    return _run(1, _gradient, *args)
+    if out is None:
+        return _run(1, _gradient, *args)
+    return _run(2, _gradient_into, out, *args)
 
 
 def _run(which: int, eager, *args):
     if not _state["broken"]:
         if _state["compiled"] is None:  # lazily: torch.compile's first call costs 2.4 s
-            _state["compiled"] = [torch.compile(f, dynamic=True) for f in (_stats, _gradient)]
+            _state["compiled"] = [
+                torch.compile(f, dynamic=True) for f in (_stats, _gradient, _gradient_into)
+            ]
         try:
             return _state["compiled"][which](*args)
         except Exception as error:  # noqa: BLE001 - any compile failure falls back to eager
