@@ -14,6 +14,9 @@ auto`), ending when the device's work is done.
   batches of `--micro-batch-tokens` real tokens.
 - `eager-head`: `asyncgrpo` with the LM head's per-chunk passes as eager ops instead of
   compiled ones (`trainer/fused_head.py`), on its own copy of the model: an A/B of them.
+- `eager-layers`: `asyncgrpo` with its decoder layers eager (`trainer.compile_layers:
+  false`) instead of compiled where `auto` compiles them (`trainer/compiled_layers.py`),
+  on its own copy of the model: an A/B of the compilation.
 - `other-autocast`: `asyncgrpo` with `trainer.bf16_autocast` the other way round from the
   one `--autocast` resolves to, on its own copy of the model: an A/B of the dtype choice.
 - `padded`: TRL's computation: prompts left-padded and completions right-padded to the
@@ -89,6 +92,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--steps", type=int, default=4, help="timed steps per system")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per system first")
+    ap.add_argument(
+        "--no-huge-pages",
+        action="store_true",
+        help="leave tensors off transparent huge pages (`asyncgrpo train` puts a CPU "
+        "trainer's on them: `trainer.reuse_freed_memory`)",
+    )
     ap.add_argument("--profile", type=Path, help="write a profile of one asyncgrpo step here")
     ap.add_argument("--out", type=Path, default=RESULTS)
     return ap.parse_args(argv)
@@ -226,7 +235,7 @@ class PaddedTrainer:
         return (per_token * completion_mask).sum() / total_tokens
 
 
-def asyncgrpo_trainer(args, model):
+def asyncgrpo_trainer(args, model, compile_layers: bool | str = "auto"):
     """The one-process trainer `asyncgrpo train` builds for these settings."""
     from asyncgrpo.config import RunConfig
     from asyncgrpo.trainer.build import policy_trainer, prepare_policy
@@ -240,6 +249,7 @@ def asyncgrpo_trainer(args, model):
             "attention": args.attention,
             "bf16_autocast": {"auto": "auto", "on": True, "off": False}[args.autocast],
             "micro_batch_tokens": args.micro_batch_tokens,
+            "compile_layers": compile_layers,
             "learning_rate": 1e-6,
         },
         rollout={"max_tokens": args.completion_max},
@@ -258,6 +268,7 @@ def build_systems(args, device: torch.device):
     padded_model = copy.deepcopy(model) if "padded" in names else None
     eager_model = copy.deepcopy(model) if "eager-head" in names else None
     other_model = copy.deepcopy(model) if "other-autocast" in names else None
+    eager_layers_model = copy.deepcopy(model) if "eager-layers" in names else None
     trainer, trainer_cfg = asyncgrpo_trainer(args, model)
     bf16 = trainer_cfg.use_bf16_autocast(device.type)
     steps = {}
@@ -265,6 +276,8 @@ def build_systems(args, device: torch.device):
         steps["asyncgrpo"] = trainer.step
     if eager_model is not None:
         steps["eager-head"] = with_eager_head(asyncgrpo_trainer(args, eager_model)[0].step)
+    if eager_layers_model is not None:
+        steps["eager-layers"] = asyncgrpo_trainer(args, eager_layers_model, False)[0].step
     if other_model is not None:
         other = argparse.Namespace(**vars(args) | {"autocast": "off" if bf16 else "on"})
         steps["other-autocast"] = asyncgrpo_trainer(other, other_model)[0].step
@@ -384,6 +397,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no GPU here")
+    if args.device == "cpu" and not args.no_huge_pages:
+        from asyncgrpo.hardware import huge_pages_for_large_tensors
+
+        print(f"huge pages for large tensors: {huge_pages_for_large_tensors()}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     device_name = (

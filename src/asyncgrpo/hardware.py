@@ -123,3 +123,44 @@ def keep_freed_memory() -> bool:
         return False
     # every block from the heap, and the heap's top never trimmed: freed blocks are reused
     return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX))
+
+
+_THP_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator: huge pages for tensors >= 2 MB
+_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_for_large_tensors() -> bool:
+    """Have torch's CPU allocator back this process's tensors of 2 MB and more with
+    transparent huge pages (`THP_MEM_ALLOC_ENABLE`: page-aligned, then
+    madvise(MADV_HUGEPAGE)). Returns whether it applies.
+
+    A training step's large buffers (logits, the head's gradient, bf16 weight copies) are
+    faulted in 4 KB at a time whenever the kernel has taken their pages back, which
+    `keep_freed_memory` cannot prevent on a VM that reclaims idle memory (kdamond): on a
+    2-core EPYC, steady steps of SmolLM2-135M faulted 24-112k pages; with huge pages
+    0.1-20k, and 5 of 6 steps ran faster (median 6.27 against 6.50 s).
+
+    torch reads the variable once, at the process's first CPU allocation, so this must
+    run before any tensor exists (else it returns False). It latches the setting with one
+    allocation and restores the environment: child processes (the engine) start as they
+    would have."""
+    try:
+        with open(_THP_SETTING) as f:
+            if "[never]" in f.read():
+                return False
+    except OSError:
+        return False
+    import os
+
+    import torch
+
+    ours = _THP_ENV not in os.environ  # a user's own setting stands, and stays
+    os.environ.setdefault(_THP_ENV, "1")
+    try:
+        # huge-page allocations are page-aligned, others 64-byte aligned: eight in a row
+        # aligned by chance is a 1 in 64^8 event
+        probes = [torch.empty(4 << 20, dtype=torch.uint8) for _ in range(8)]
+    finally:
+        if ours:
+            del os.environ[_THP_ENV]
+    return all(p.data_ptr() % 4096 == 0 for p in probes)

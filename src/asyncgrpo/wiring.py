@@ -30,7 +30,7 @@ from asyncgrpo.metrics.tracker import MetricsTracker
 from asyncgrpo.rollout.data import DatasetError, dataset_rows, load_prompts
 from asyncgrpo.rollout.rewards import RewardRunner, RewardSpecError
 from asyncgrpo.run_context import RunContext, assemble_run
-from asyncgrpo.trainer.build import load_policy, make_trainer, prepare_policy
+from asyncgrpo.trainer.build import huge_pages_early, load_policy, make_trainer, prepare_policy
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ def build_run(
     tools: list | None = None,
     environment_factory: Any = None,
 ) -> RunContext:
+    huge_pages_early(cfg)  # first: torch fixes it at the process's first tensor
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
     from_env = wants_source(cfg, tools, environment_factory)
     agent = rollout_func is not None or cfg.agent.source is not None or from_env

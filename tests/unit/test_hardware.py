@@ -1,4 +1,6 @@
 """`keep_freed_memory`: a large block freed and allocated again stops being faulted in.
+`huge_pages_for_large_tensors`: a large tensor lands on huge pages where the kernel offers
+them, only when nothing was allocated before, and children inherit no setting.
 `cpu_bf16_matmul_pays`: bf16 training only where the flags and a timed matmul agree, and
 data-parallel ranks on a CPU take rank 0's choice. `use_threads_here`: a thread keeps its own
 OpenMP thread count."""
@@ -8,6 +10,7 @@ import platform
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +48,39 @@ def test_freed_block_is_reused_without_page_faults():
     assert min(faults_per_round("default")[-10:]) > PAGES // 2
     # kept: after a few rounds (freed blocks coalesce into one that fits) none are faulted
     assert sum(faults_per_round("keep")[-10:]) < PAGES // 10
+
+
+# the process's huge pages before and after a 64 MB tensor is written, in kB
+HUGE_PAGES = """
+import json, os, sys, torch
+from asyncgrpo.hardware import huge_pages_for_large_tensors
+if sys.argv[1] == "late":
+    torch.ones(8)
+applied = huge_pages_for_large_tensors()
+def huge():
+    rollup = open("/proc/self/smaps_rollup").read().splitlines()
+    return next(int(line.split()[1]) for line in rollup if line.startswith("AnonHugePages"))
+before = huge()
+kept = torch.empty(16 << 20, dtype=torch.float32).fill_(1.0)
+print(json.dumps([applied, huge() - before, os.environ.get("THP_MEM_ALLOC_ENABLE")]))
+"""
+THP_OFFERED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not THP_OFFERED.exists() or "[never]" in THP_OFFERED.read_text(),
+    reason="the kernel offers no transparent huge pages",
+)
+def test_large_tensors_land_on_huge_pages_when_set_first():
+    def run(mode: str) -> list:
+        args = [sys.executable, "-c", HUGE_PAGES, mode]
+        return json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout)
+
+    applied, huge_kb, env = run("first")
+    assert applied and huge_kb >= 32 << 10  # most of the 64 MB on 2 MB pages
+    assert env is None  # the environment restored: a child starts as it would have
+    applied, huge_kb, _ = run("late")  # a tensor existed: torch had already chosen
+    assert not applied and huge_kb < 4 << 10
 
 
 @pytest.fixture

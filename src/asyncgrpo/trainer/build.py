@@ -20,7 +20,7 @@ import torch
 
 from asyncgrpo.config import ConfigError, RunConfig
 from asyncgrpo.config.rollout import GREEDY_BELOW
-from asyncgrpo.hardware import keep_freed_memory
+from asyncgrpo.hardware import huge_pages_for_large_tensors, keep_freed_memory
 from asyncgrpo.trainer.base import Trainer
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,16 @@ def load_policy(cfg: RunConfig, model_dir: str) -> torch.nn.Module:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return prepare_policy(cfg, model)
+
+
+def huge_pages_early(cfg: RunConfig) -> None:
+    """For a CPU trainer, unless `trainer.reuse_freed_memory` is off: this process's large
+    tensors on huge pages (`hardware.huge_pages_for_large_tensors`). Call before anything
+    allocates a tensor: torch fixes the choice at the first allocation."""
+    setting = cfg.trainer.device
+    cpu = setting == "cpu" or (setting == "auto" and not torch.cuda.is_available())
+    if cpu and cfg.trainer.reuse_freed_memory and huge_pages_for_large_tensors():
+        logger.info("large tensors on transparent huge pages (fewer page faults per step)")
 
 
 def prepare_policy(cfg: RunConfig, model: torch.nn.Module) -> torch.nn.Module:
@@ -116,9 +126,11 @@ def make_trainer(
 
 def policy_trainer(cfg: RunConfig, model: torch.nn.Module):
     """The one-process trainer of the recipe's `trainer`, `loss` and `advantage` sections."""
+    from asyncgrpo.trainer import compiled_layers
+    from asyncgrpo.trainer.distributed import launched_rank
     from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
-    return PolicyTrainer(
+    trainer = PolicyTrainer(
         model,
         cfg.trainer,
         cfg.loss,
@@ -129,3 +141,10 @@ def policy_trainer(cfg: RunConfig, model: torch.nn.Module):
         top_p=cfg.rollout.top_p if cfg.rollout.temperature >= GREEDY_BELOW else 1.0,
         max_completion_length=cfg.rollout.max_tokens,
     )
+    launched = launched_rank()
+    world = launched[1] if launched else cfg.trainer.num_processes
+    hidden = getattr(model.config, "hidden_size", 0)
+    # after the trainer is built: its KL reference copies the model, and stays eager
+    if compiled_layers.wanted(cfg.trainer, trainer.device.type, hidden, world):
+        compiled_layers.compile_layers(model)
+    return trainer

@@ -221,12 +221,19 @@ def packed_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
+def _opaque_attention():
+    return torch.compiler.disable(packed_attention_forward)  # imports torch._dynamo: lazily
+
+
 def enable_packed_attention(model) -> None:
-    """Register the packed attention function and select it on this HF model."""
+    """Register the packed attention function and select it on this HF model. The function
+    is opaque to `torch.compile` (`compiled_layers.py`): its per-segment loop would unroll
+    into a compiled layer's graph and recompile for every batch's segments."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _opaque_attention())
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
