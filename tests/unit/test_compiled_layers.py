@@ -64,31 +64,38 @@ def test_compiled_layers_give_the_eager_gradients(tmp_path, monkeypatch, setting
         torch.testing.assert_close(compiled[name], want, atol=1e-12, rtol=1e-9, msg=name)
 
 
-def test_auto_compiles_one_cpu_process_on_wide_models_only():
+def test_auto_compiles_one_bf16_cpu_process_on_wide_models_only():
     auto = TrainerConfig()
     wide = compiled_layers.COMPILE_MIN_HIDDEN
     found = compiled_layers.cpp_compiler_found()
-    assert compiled_layers.wanted(auto, "cpu", wide, 1) is found
-    assert not compiled_layers.wanted(auto, "cpu", wide - 1, 1)
-    assert not compiled_layers.wanted(auto, "cpu", wide, 2)
-    assert not compiled_layers.wanted(auto, "cuda", wide, 1)
-    assert not compiled_layers.wanted(TrainerConfig(compile_layers=False), "cpu", wide, 1)
+    assert compiled_layers.wanted(auto, "cpu", wide, 1, bf16=True) is found
+    assert not compiled_layers.wanted(auto, "cpu", wide - 1, 1, bf16=True)
+    assert not compiled_layers.wanted(auto, "cpu", wide, 2, bf16=True)
+    assert not compiled_layers.wanted(auto, "cuda", wide, 1, bf16=True)
+    assert not compiled_layers.wanted(
+        TrainerConfig(compile_layers=False), "cpu", wide, 1, bf16=True
+    )
     checkpointed = TrainerConfig(gradient_checkpointing=True)
-    assert not compiled_layers.wanted(checkpointed, "cpu", wide, 1)
+    assert not compiled_layers.wanted(checkpointed, "cpu", wide, 1, bf16=True)
+    assert not compiled_layers.wanted(auto, "cpu", wide, 1, bf16=False)  # slower in float32
+    assert (
+        compiled_layers.wanted(TrainerConfig(compile_layers=True), "cpu", 64, 1, bf16=False)
+        is found
+    )
 
 
 def test_compile_layers_true_where_unmeasured_is_a_clear_error():
     on = TrainerConfig(compile_layers=True)
     with pytest.raises(ConfigError, match="not yet on 2 process"):
-        compiled_layers.wanted(on, "cpu", 64, 2)
+        compiled_layers.wanted(on, "cpu", 64, 2, bf16=True)
     with pytest.raises(ConfigError, match="on cuda"):
-        compiled_layers.wanted(on, "cuda", 64, 1)
+        compiled_layers.wanted(on, "cuda", 64, 1, bf16=True)
     checkpointed = TrainerConfig(compile_layers=True, gradient_checkpointing=True)
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
-        compiled_layers.wanted(checkpointed, "cpu", 64, 1)
+        compiled_layers.wanted(checkpointed, "cpu", 64, 1, bf16=True)
 
 
 def test_compile_layers_true_without_a_compiler_says_so(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     with pytest.raises(ConfigError, match="needs a C.. compiler"):
-        compiled_layers.wanted(TrainerConfig(compile_layers=True), "cpu", 64, 1)
+        compiled_layers.wanted(TrainerConfig(compile_layers=True), "cpu", 64, 1, bf16=True)

@@ -165,13 +165,14 @@ class TrainerConfig(Section):
     compile_layers: bool | Literal["auto"] = "auto"
     """Run each decoder layer under `torch.compile`, its attention eager
     (`trainer/compiled_layers.py`): the norms, rotary embedding, activation and residual
-    adds fuse into a few passes. SmolLM2-135M on a 2-core EPYC, interleaved steps on the
-    same batches: 1.07-1.10x (median pair ratio). `auto`: on for one trainer process on a
-    CPU with a C++ compiler (inductor builds its kernels with it), for models of hidden
-    size >= 512 (smaller ones gain less than the first step's ~6 s of compilation),
-    without `gradient_checkpointing`; `true`: the same for any size; not yet with several
-    processes, on a GPU (unmeasured there) or with gradient checkpointing (an error).
-    `false`: eager."""
+    adds fuse into a few passes. SmolLM2-135M on a 2-core EPYC with AVX512-BF16,
+    interleaved steps on the same batches: 1.07-1.10x (median pair ratio); in float32 on
+    one without AVX512, 0.89x. `auto`: on for one trainer process on a CPU with a C++
+    compiler (inductor builds its kernels with it), under bf16 autocast, for models of
+    hidden size >= 512 (smaller ones gain less than the first step's ~6 s of compilation),
+    without `gradient_checkpointing`; `true`: the same for any size and dtype; not yet
+    with several processes, on a GPU (unmeasured there) or with gradient checkpointing
+    (an error). `false`: eager."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory for long completions, about
     a third more compute."""

@@ -145,6 +145,8 @@ def policy_trainer(cfg: RunConfig, model: torch.nn.Module):
     world = launched[1] if launched else cfg.trainer.num_processes
     hidden = getattr(model.config, "hidden_size", 0)
     # after the trainer is built: its KL reference copies the model, and stays eager
-    if compiled_layers.wanted(cfg.trainer, trainer.device.type, hidden, world):
+    device = trainer.device.type
+    bf16 = cfg.trainer.use_bf16_autocast(device)
+    if compiled_layers.wanted(cfg.trainer, device, hidden, world, bf16=bf16):
         compiled_layers.compile_layers(model)
     return trainer

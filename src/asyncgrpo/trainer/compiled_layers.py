@@ -30,15 +30,20 @@ logger = logging.getLogger(__name__)
 COMPILE_MIN_HIDDEN = 512  # `trainer.compile_layers: auto` compiles models this wide or wider
 
 
-def wanted(trainer: TrainerConfig, device_type: str, hidden_size: int, world_size: int) -> bool:
+def wanted(
+    trainer: TrainerConfig, device_type: str, hidden_size: int, world_size: int, *, bf16: bool
+) -> bool:
     """`trainer.compile_layers` resolved for a trainer of `world_size` processes on
-    `device_type`, for a model of `hidden_size`."""
+    `device_type`, for a model of `hidden_size`, under bf16 autocast or not. `auto` compiles
+    bf16 steps only: their casts are what fuse best; float32 steps on a 2-core EPYC without
+    AVX512 ran 0.89x compiled (median of 5 interleaved pairs)."""
     if trainer.compile_layers is False:
         return False
     supported = device_type == "cpu" and world_size == 1
     if trainer.compile_layers == "auto":
         wide = hidden_size >= COMPILE_MIN_HIDDEN
-        return supported and wide and not trainer.gradient_checkpointing and cpp_compiler_found()
+        eligible = supported and wide and bf16 and not trainer.gradient_checkpointing
+        return eligible and cpp_compiler_found()
     if not supported:
         raise ConfigError(
             "trainer.compile_layers: true runs on one CPU trainer process only, not yet on "
