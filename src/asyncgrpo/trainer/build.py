@@ -145,8 +145,7 @@ def policy_trainer(cfg: RunConfig, model: torch.nn.Module):
     world = launched[1] if launched else cfg.trainer.num_processes
     hidden = getattr(model.config, "hidden_size", 0)
     # after the trainer is built: its KL reference copies the model, and stays eager
-    device = trainer.device.type
-    bf16 = cfg.trainer.use_bf16_autocast(device)
+    device, bf16 = trainer.device.type, trainer.bf16_autocast
     if compiled_layers.wanted(cfg.trainer, device, hidden, world, bf16=bf16):
         compiled_layers.compile_layers(model)
     return trainer
