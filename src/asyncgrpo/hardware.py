@@ -141,8 +141,8 @@ def huge_pages_for_large_tensors() -> bool:
     0.1-20k, and 5 of 6 steps ran faster (median 6.27 against 6.50 s).
 
     torch reads the variable once, at the process's first CPU allocation, so this must
-    run before any tensor exists (else it returns False). It latches the setting with one
-    allocation and restores the environment: child processes (the engine) start as they
+    run before any tensor exists (else it returns False). It latches the setting with its
+    own first allocations and restores the environment: child processes (the engine) start as they
     would have."""
     try:
         with open(_THP_SETTING) as f:

@@ -38,8 +38,7 @@ def huge_pages_early(cfg: RunConfig) -> None:
     """For a CPU trainer, unless `trainer.reuse_freed_memory` is off: this process's large
     tensors on huge pages (`hardware.huge_pages_for_large_tensors`). Call before anything
     allocates a tensor: torch fixes the choice at the first allocation."""
-    setting = cfg.trainer.device
-    cpu = setting == "cpu" or (setting == "auto" and not torch.cuda.is_available())
+    cpu = _trains_on_cpu(cfg.trainer.device)
     if cpu and cfg.trainer.reuse_freed_memory and huge_pages_for_large_tensors():
         logger.info("large tensors on transparent huge pages (fewer page faults per step)")
 
@@ -62,12 +61,17 @@ def prepare_policy(cfg: RunConfig, model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _trains_on_cpu(setting: str) -> bool:
+    """Whether `trainer.device` resolves to the CPU."""
+    return setting == "cpu" or (setting == "auto" and not torch.cuda.is_available())
+
+
 def trainer_device(setting: str) -> torch.device:
     """`trainer.device` resolved for this rank: a CUDA GPU (`LOCAL_RANK` mod the GPUs
     this process sees, so ranks of one machine take one GPU each, and a Ray actor given
     one GPU takes that one), or the CPU. It becomes the current CUDA device, which NCCL
     and FSDP2's device mesh use."""
-    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+    if _trains_on_cpu(setting):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError(
