@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from asyncgrpo.engine import native_attention
+
 KEY_BLOCK = 64  # decode key lengths are rounded up to a multiple of this
 QUERY_BLOCK = 16  # prefill queries attend in blocks of this many positions (aligned)
 
@@ -78,10 +80,20 @@ def decode_spans(positions: torch.Tensor, max_model_len: int) -> list[DecodeSpan
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, spans: list[DecodeSpan]
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    spans: list[DecodeSpan],
+    lengths: torch.Tensor,
 ) -> torch.Tensor:
     """q: (B, kv_heads, group, D), the query heads of a kv head folded into the query
-    length; caches (slots, kv_heads, capacity, D). Returns (B, kv_heads, group, D)."""
+    length; caches (slots, kv_heads, capacity, D); `lengths` (B,) int64: the keys row b
+    sees (its position + 1). Returns (B, kv_heads, group, D).
+
+    The C kernel (native_attention.py) where it is built: each row over exactly its own
+    keys; else PyTorch's, one call per span."""
+    if native_attention.usable(q, k_cache, v_cache):
+        return native_attention.decode_attention(q, k_cache, v_cache, lengths)
     if len(spans) == 1 and spans[0].members is None:
         s = spans[0]
         return _attend(q, k_cache, v_cache, s)

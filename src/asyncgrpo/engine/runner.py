@@ -318,6 +318,7 @@ class ModelRunner:
         h = F.embedding(tokens, self.embed).unsqueeze(1)  # (B, 1, hidden)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         rows = torch.arange(b)
+        lengths = positions + 1  # the keys each row attends over
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_input(layer, h, cos, sin)
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]
@@ -325,7 +326,7 @@ class ModelRunner:
             v_cache[rows, :, positions] = v[:, :, 0]
             # Fold the query heads that share a kv head into the query length.
             q = q.reshape(b, self.num_kv_heads, self.group, self.head_dim)
-            attn = decode_attention(q, k_cache, v_cache, spans)
+            attn = decode_attention(q, k_cache, v_cache, spans, lengths)
             h = self._mlp_residual(layer, h, attn.reshape(b, 1, -1))
         return self.logits(h[:, 0])
 
