@@ -11,11 +11,12 @@ into weight differences of up to ~lr, and a few steps later the sampled tokens d
 
 So every attention call's shapes depend on one sequence alone:
 
-- decode: a row reads its keys up to its own length rounded up to `KEY_BLOCK`; rows
-  of the same rounded length share one call (one call when the batch's lengths are
-  close, as a GRPO batch's are). In float32 the call is two batched matmuls and a
-  softmax rather than the fused kernel, which costs more per (row, head) than those
-  few-row products do;
+- decode: where the C kernel is built (native_attention.py), each row reads exactly its
+  own keys, one thread per (row, head), whatever the batch and the thread count. Else a
+  row reads its keys up to its own length rounded up to `KEY_BLOCK`; rows of the same
+  rounded length share one call (one call when the batch's lengths are close, as a GRPO
+  batch's are). In float32 that call is two batched matmuls and a softmax rather than
+  the fused kernel, which costs more per (row, head) than those few-row products do;
 - prefill: a row's chunk attends in pieces cut at multiples of `QUERY_BLOCK` (absolute
   positions), each over exactly the keys up to its last query, read from the row's
   slot in place. A piece is the same computation whether the prompt came alone, padded
