@@ -30,7 +30,7 @@ static inline uint16_t float_to_bf16(float f) {
 }
 
 /* one (row, kv head): G queries of D, pre-scaled, against its first L keys and values */
-static void attend_one(const float* q, const void* k, const void* v, int bf16, int64_t L,
+static inline __attribute__((always_inline)) void attend_one(const float* q, const void* k, const void* v, int bf16, int64_t L,
                        int64_t G, int64_t D, float* scores, float* row, float* acc) {
   for (int64_t j = 0; j < L; ++j) {
     if (bf16) {
@@ -98,8 +98,12 @@ int decode_attention(const void* q, const void* k, const void* v, const int64_t*
       for (int64_t i = 0; i < G * D; ++i)
         qf[i] = (bf16 ? bf16_to_float(((const uint16_t*)qp)[i]) : ((const float*)qp)[i]) * scale;
       const int64_t offset = (b * slot_stride + h * head_stride) * esize;
-      attend_one(qf, (const char*)k + offset, (const char*)v + offset, bf16, lengths[b], G, D,
-                 scores, row, acc);
+      const void *kp = (const char*)k + offset, *vp = (const char*)v + offset;
+      /* a constant head size lets the compiler unroll the per-key loops (each is a few
+         vectors long, and loop setup cost more than the arithmetic) */
+      if (D == 64) attend_one(qf, kp, vp, bf16, lengths[b], G, 64, scores, row, acc);
+      else if (D == 128) attend_one(qf, kp, vp, bf16, lengths[b], G, 128, scores, row, acc);
+      else attend_one(qf, kp, vp, bf16, lengths[b], G, D, scores, row, acc);
       char* op = (char*)out + idx * G * D * esize;
       for (int64_t i = 0; i < G * D; ++i) {
         if (bf16) ((uint16_t*)op)[i] = float_to_bf16(acc[i]);
