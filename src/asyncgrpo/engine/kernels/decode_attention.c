@@ -29,17 +29,23 @@ static inline uint16_t float_to_bf16(float f) {
   return (uint16_t)(bits >> 16);
 }
 
+/* row j of a (keys, D) block of bf16 or float32 values, as float32 */
+static inline __attribute__((always_inline)) void load_row(float* row, const void* src, int64_t j,
+                                                           int64_t D, int bf16) {
+  if (bf16) {
+    const uint16_t* r = (const uint16_t*)src + j * D;
+    #pragma omp simd
+    for (int64_t d = 0; d < D; ++d) row[d] = bf16_to_float(r[d]);
+  } else {
+    memcpy(row, (const float*)src + j * D, D * sizeof(float));
+  }
+}
+
 /* one (row, kv head): G queries of D, pre-scaled, against its first L keys and values */
 static inline __attribute__((always_inline)) void attend_one(const float* q, const void* k, const void* v, int bf16, int64_t L,
                        int64_t G, int64_t D, float* scores, float* row, float* acc) {
   for (int64_t j = 0; j < L; ++j) {
-    if (bf16) {
-      const uint16_t* kj = (const uint16_t*)k + j * D;
-      #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) row[d] = bf16_to_float(kj[d]);
-    } else {
-      memcpy(row, (const float*)k + j * D, D * sizeof(float));
-    }
+    load_row(row, k, j, D, bf16);
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
       #pragma omp simd reduction(+:s)
@@ -60,13 +66,7 @@ static inline __attribute__((always_inline)) void attend_one(const float* q, con
   }
   memset(acc, 0, G * D * sizeof(float));
   for (int64_t j = 0; j < L; ++j) {
-    if (bf16) {
-      const uint16_t* vj = (const uint16_t*)v + j * D;
-      #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) row[d] = bf16_to_float(vj[d]);
-    } else {
-      memcpy(row, (const float*)v + j * D, D * sizeof(float));
-    }
+    load_row(row, v, j, D, bf16);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * L + j];
       #pragma omp simd
