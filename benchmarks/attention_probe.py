@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def packed_micro_batch(args, vocab: int, device: torch.device):
     """The first micro-batch the trainer would pack: whole groups while they fit."""
-    from asyncgrpo.trainer.packing import pack_sequences
+    from asyncgrpo.learning.trainer.packing import pack_sequences
 
     seqs, prompt_lengths, used = [], [], 0
     for group in make_groups(args, vocab, 0):
@@ -62,8 +62,8 @@ def packed_micro_batch(args, vocab: int, device: torch.device):
 
 def variants(packed, cfg, device: torch.device) -> dict:
     """name -> fn(q, k, v) returning the (1, N, Hq, D)-shaped output of one attention."""
-    from asyncgrpo.trainer.segments import attend_segments, sdpa_kernels
-    from asyncgrpo.trainer.varlen import (
+    from asyncgrpo.learning.trainer.segments import attend_segments, sdpa_kernels
+    from asyncgrpo.learning.trainer.varlen import (
         _varlen_call,
         varlen_attention,
         varlen_available,
@@ -160,7 +160,7 @@ def inputs_for(name, packed, cfg, dtype, device: torch.device):
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     gen = torch.Generator(device="cpu").manual_seed(0)
     if name == "varlen-kernel":
-        from asyncgrpo.trainer.varlen import varlen_layout
+        from asyncgrpo.learning.trainer.varlen import varlen_layout
 
         t = varlen_layout(packed.segments, device).gather.numel()
         shapes = [(t, hq, d), (t, hkv, d), (t, hkv, d)]
@@ -198,7 +198,7 @@ def measure(found: dict, packed, cfg, dtype, device: torch.device, repeats: int)
 
 
 def time_layout(packed, device: torch.device, repeats: int) -> float:
-    from asyncgrpo.trainer.varlen import varlen_layout
+    from asyncgrpo.learning.trainer.varlen import varlen_layout
 
     times = []
     for _ in range(repeats):

@@ -27,11 +27,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.types import SamplingParams
-from asyncgrpo.rollout.data import load_prompts, render_prompt
-from asyncgrpo.rollout.rewards import RewardRunner
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.engine.engine import Engine
+from asyncgrpo.inference.engine.types import SamplingParams
+from asyncgrpo.learning.rollout.data import load_prompts, render_prompt
+from asyncgrpo.learning.rollout.rewards import RewardRunner
 
 # the rewards and max_tokens of each task's recipe (recipes/*.yaml)
 DEFAULT_REWARDS = {
@@ -120,7 +120,7 @@ async def measure_task(engine, tokenizer, task: str, args) -> dict:
 
 def resolve(name: str) -> str:
     try:
-        from asyncgrpo.models import resolve_model
+        from asyncgrpo.base.models import resolve_model
     except ImportError:
         return name
     return str(resolve_model(name))

@@ -2,7 +2,7 @@
 
 Each configuration builds its trainer the way `asyncgrpo train` does
 (`trainer.build.make_trainer`: rank 0 in this process, rank 1 started as
-`asyncgrpo.trainer.follower`), then times `--steps` optimizer steps on the same
+`asyncgrpo.learning.trainer.follower`), then times `--steps` optimizer steps on the same
 synthetic batch of GRPO-shaped groups (after one warm-up step), the gathers that
 publish the weights, and a checkpoint. Every rank gets `--threads` torch threads, so 2
 ranks use twice the cores of one process: the step time shows how well the batch
@@ -69,9 +69,9 @@ def make_groups(args, vocab: int, seed: int):
 
 
 def measure(args, model_dir: str, name: str, ranks: int, strategy: str, work: Path) -> dict:
-    from asyncgrpo.config import RunConfig
-    from asyncgrpo.trainer.build import load_policy, make_trainer
-    from asyncgrpo.trainer.checkpoint import TrainingState
+    from asyncgrpo.base.config import RunConfig
+    from asyncgrpo.learning.trainer.build import load_policy, make_trainer
+    from asyncgrpo.learning.trainer.checkpoint import TrainingState
 
     cfg = RunConfig(
         name=f"{ranks}-{strategy}",
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         elif args.random_smollm2:
             model_dir = save_random_smollm2(work / "model")
         else:
-            from asyncgrpo.models import resolve_model
+            from asyncgrpo.base.models import resolve_model
 
             model_dir = str(resolve_model("smollm2-135m"))
         configs = CONFIGS[:1] if args.single else CONFIGS

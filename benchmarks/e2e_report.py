@@ -93,7 +93,7 @@ def snapshots(run_dir: Path) -> list[tuple[int, float, Path]]:
     last = train[-1]["step"] if train else 0
     final = run_dir / "final_model.safetensors"  # TRL's
     if not final.exists():
-        from asyncgrpo.trainer.checkpoint import latest_checkpoint
+        from asyncgrpo.learning.trainer.checkpoint import latest_checkpoint
 
         ckpt = latest_checkpoint(run_dir / "checkpoints")
         final = ckpt / "model.safetensors" if ckpt else None

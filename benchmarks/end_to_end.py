@@ -62,7 +62,7 @@ from e2e_report import (  # benchmarks/ is on sys.path
 )
 
 if TYPE_CHECKING:
-    from asyncgrpo.config import RunConfig
+    from asyncgrpo.base.config import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,12 +133,12 @@ async def score_weights(cfg, files: list[Path], rows: list[dict], threads: int):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from asyncgrpo.config import EmbeddedEngineConfig
-    from asyncgrpo.engine.engine import Engine
-    from asyncgrpo.engine.types import SamplingParams
-    from asyncgrpo.models import resolve_model
-    from asyncgrpo.rollout.data import render_prompt
-    from asyncgrpo.rollout.rewards import RewardRunner
+    from asyncgrpo.base.config import EmbeddedEngineConfig
+    from asyncgrpo.base.models import resolve_model
+    from asyncgrpo.inference.engine.engine import Engine
+    from asyncgrpo.inference.engine.types import SamplingParams
+    from asyncgrpo.learning.rollout.data import render_prompt
+    from asyncgrpo.learning.rollout.rewards import RewardRunner
 
     model_dir = str(resolve_model(cfg.model.name_or_path))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -181,7 +181,7 @@ def seed_config(args, seed: int) -> tuple[list[str], RunConfig]:
     """The overrides every system gets on one seed, and the config they make: the held-out
     rows kept out of training for all, snapshots every `--score-steps`, in-run evaluation
     and periodic checkpoints out of the way."""
-    from asyncgrpo.config import load_config
+    from asyncgrpo.base.config import load_config
 
     recipe_cfg = load_config(args.recipe, args.overrides)
     in_run = recipe_cfg.dataset.get("eval_size") or 0
@@ -235,7 +235,7 @@ def score_runs(args, cfg: RunConfig, runs: dict[str, Path], seed: int):
     initial model and then each snapshot, each system's curve [(time_s, mean reward)],
     and the number of held-out rows.
     """
-    from asyncgrpo.rollout.data import load_prompts
+    from asyncgrpo.learning.rollout.data import load_prompts
 
     _, eval_rows = load_prompts(cfg.dataset, cfg.seed)
     saved = {label: snapshots(run_dir) for label, run_dir in runs.items()}
@@ -291,7 +291,7 @@ def run_seed(args, seed: int, out: Path) -> dict:
     if ASYNC in per_prompt and SYNC in per_prompt:
         result["async_minus_sync"] = paired_difference(per_prompt[ASYNC][-1], per_prompt[SYNC][-1])
 
-    from asyncgrpo.metrics.compare import plot_curves
+    from asyncgrpo.learning.metrics.compare import plot_curves
 
     title = f"held-out reward vs wall-clock ({Path(args.recipe).stem}, seed {seed})"
     result["plot"] = str(plot_curves(curves, out / "end_to_end.png", title=title))
@@ -304,7 +304,7 @@ def finished(run_dir: Path) -> bool:
     """A run that ended cleanly and still has its weights to score."""
     if (run_dir / "final_model.safetensors").exists():  # TRL's baseline
         return True
-    from asyncgrpo.trainer.checkpoint import latest_checkpoint
+    from asyncgrpo.learning.trainer.checkpoint import latest_checkpoint
 
     return (run_dir / "accounting.json").exists() and (
         latest_checkpoint(run_dir / "checkpoints") is not None

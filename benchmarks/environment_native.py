@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncgrpo.agents.rollout_api import LLM, Result
-from asyncgrpo.agents.tools import ToolBox
-from asyncgrpo.agents.trajectory import StopReason
+from asyncgrpo.base.episode import StopReason
+from asyncgrpo.learning.agents.rollout_api import LLM, Result
+from asyncgrpo.learning.agents.tools import ToolBox
 
 SETTINGS: dict[str, Any] = {}  # set by `configure`
 
@@ -101,7 +101,7 @@ def _guess_tool() -> dict[str, Any]:
     """The `guess` tool's schema as the adapter shows it, and the adapter's checker of its
     calls: built once per run (`configure` clears them)."""
     if "guess_tool" not in SETTINGS:
-        from asyncgrpo.environments.openenv import ActionChecker, action_tool
+        from asyncgrpo.learning.environments.openenv import ActionChecker, action_tool
         from examples.openenv_guess import GuessAction
 
         tool = action_tool(GuessAction.model_json_schema())

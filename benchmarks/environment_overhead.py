@@ -59,9 +59,9 @@ for path in (ROOT, Path(__file__).resolve().parent):  # `examples.*`, `environme
 
 import environment_native  # noqa: E402
 
-from asyncgrpo.config import build_config  # noqa: E402
-from asyncgrpo.rollout import episodes as episodes_mod  # noqa: E402
-from asyncgrpo.run import train  # noqa: E402
+from asyncgrpo.base.config import build_config  # noqa: E402
+from asyncgrpo.learning.rollout import episodes as episodes_mod  # noqa: E402
+from asyncgrpo.run.loop import train  # noqa: E402
 
 SHAPES = {
     "trl": ("recipes/trl_environment.yaml", "environment_native:trl_rollout"),
@@ -84,7 +84,7 @@ def shape_rows(shape: str, recipe: dict, work: Path) -> str:
     the environment) the environment's dataset written out."""
     if shape != "verifiers":
         return str(ROOT / recipe["dataset"]["path"])
-    from asyncgrpo.environments.verifiers import classic_api, load_environment, rows_of
+    from asyncgrpo.learning.environments.verifiers import classic_api, load_environment, rows_of
 
     section = recipe["agent"]["verifiers"]
     env = load_environment(classic_api(), section["id"], dict(section.get("args") or {}))

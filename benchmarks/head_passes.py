@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.trainer import fused_head
-from asyncgrpo.trainer.logprobs import lm_head_token_logprobs
+from asyncgrpo.learning.trainer import fused_head
+from asyncgrpo.learning.trainer.logprobs import lm_head_token_logprobs
 
 SYSTEMS = {"eager": fused_head.eager_passes, "fused": nullcontext}
 

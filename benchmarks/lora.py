@@ -45,7 +45,7 @@ RESULTS = Path(__file__).parent / "results" / "lora.json"
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="name for asyncgrpo.models")
+    ap.add_argument("--model", default="smollm2-135m", help="name for asyncgrpo.base.models")
     ap.add_argument("--modes", default="full,lora", help="comma-separated: full, lora")
     ap.add_argument("--r", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=32.0)
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_groups(args, vocab: int):
     """GRPO-shaped groups of random token ids with rewards that vary inside each group."""
-    from asyncgrpo.rollout.types import Group, Rollout
+    from asyncgrpo.learning.rollout.types import Group, Rollout
 
     rng = random.Random(args.seed)
     groups = []
@@ -87,9 +87,9 @@ def build_trainer(args, model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from asyncgrpo.config import AdvantageConfig, LoraConfig, LossConfig, TrainerConfig
-    from asyncgrpo.trainer.lora import apply_lora
-    from asyncgrpo.trainer.policy_trainer import PolicyTrainer
+    from asyncgrpo.base.config import AdvantageConfig, LoraConfig, LossConfig, TrainerConfig
+    from asyncgrpo.learning.trainer.lora import apply_lora
+    from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if args.worker == "lora":
@@ -125,8 +125,8 @@ def time_gathers(trainer, dtype, count: int) -> tuple[list[float], int, int]:
 
 async def time_syncs(args, trainer, model_dir: Path, dtype, count: int) -> dict:
     """Seconds per `sync_weights` to a real embedded engine, and the transfer step's."""
-    from asyncgrpo.backend.embedded import EmbeddedBackend
-    from asyncgrpo.config import EmbeddedEngineConfig
+    from asyncgrpo.base.config import EmbeddedEngineConfig
+    from asyncgrpo.inference.backend.embedded import EmbeddedBackend
 
     cfg = EmbeddedEngineConfig(model=str(model_dir), num_threads=args.engine_threads)
     backend = EmbeddedBackend(cfg)
@@ -159,8 +159,8 @@ def reset_peak_rss() -> None:
 def run_worker(args) -> dict:
     import torch
 
-    from asyncgrpo.config import EmbeddedEngineConfig
-    from asyncgrpo.models import resolve_model
+    from asyncgrpo.base.config import EmbeddedEngineConfig
+    from asyncgrpo.base.models import resolve_model
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.engine import Engine
-from asyncgrpo.models import resolve_model
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.base.models import resolve_model
+from asyncgrpo.inference.engine.engine import Engine
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

@@ -279,8 +279,8 @@ async def run_load(base_url: str, port: int, pid: int, token: str, args) -> dict
 
 def serve_and_load(args, model_dir: str) -> dict:
     """Start `asyncgrpo serve` (an `EngineProcess`: free port, admin token, log), load it."""
-    from asyncgrpo.config import EmbeddedEngineConfig
-    from asyncgrpo.engine.process import EngineProcess
+    from asyncgrpo.base.config import EmbeddedEngineConfig
+    from asyncgrpo.inference.engine.process import EngineProcess
 
     settings = dict(dtype="float32" if args.tiny else args.dtype, num_threads=args.threads)
     settings |= dict(served_model_name="bench", **dict(kv.split("=", 1) for kv in args.engine))
@@ -386,7 +386,7 @@ def model_directory(args, scratch: str) -> str:
         from asyncgrpo.testing import save_tiny_model_dir
 
         return str(save_tiny_model_dir(Path(scratch) / "tiny-llama"))
-    from asyncgrpo.models import resolve_model
+    from asyncgrpo.base.models import resolve_model
 
     return str(resolve_model(args.model))
 

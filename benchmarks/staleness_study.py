@@ -268,8 +268,8 @@ def train_pending(runs: list[Run], args) -> list[Run]:
 def score(runs: list[Run], args) -> None:
     """Final weights of `runs` scored on their held-out rows: one engine per task and seed
     (the held-out rows depend on both); each run's result JSON written."""
-    from asyncgrpo.config import load_config
-    from asyncgrpo.rollout.data import load_prompts
+    from asyncgrpo.base.config import load_config
+    from asyncgrpo.learning.rollout.data import load_prompts
 
     groups: dict[tuple[str, int], list[Run]] = {}
     for run in runs:

@@ -33,14 +33,14 @@ import numpy as np
 import torch
 import uvicorn
 
-from asyncgrpo.backend.embedded import EmbeddedBackend
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.models import resolve_model
-from asyncgrpo.ports import free_port
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.base.models import resolve_model
+from asyncgrpo.base.ports import free_port
+from asyncgrpo.inference.backend.embedded import EmbeddedBackend
+from asyncgrpo.learning.trainer.datums import AdamParams
 from asyncgrpo.tinker.app import create_app
 from asyncgrpo.tinker.build import build_service
 from asyncgrpo.tinker.wire import TinkerDatum
-from asyncgrpo.trainer.datums import AdamParams
 
 KEY = "tml-benchmark"
 PHASES = ("sample_s", "forward_backward_s", "optim_step_s", "step_s")

@@ -49,7 +49,7 @@ RESULTS = Path(__file__).parent / "results" / "train_step_packing.json"
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="name for asyncgrpo.models")
+    ap.add_argument("--model", default="smollm2-135m", help="name for asyncgrpo.base.models")
     ap.add_argument("--random", action="store_true", help="random SmolLM2-135M-shaped weights")
     ap.add_argument("--groups", type=int, default=2, help="prompts per batch")
     ap.add_argument("--group-size", type=int, default=8, help="samples per prompt")
@@ -91,7 +91,7 @@ def load_model(args):
 
     if not args.random:
         try:
-            from asyncgrpo.models import resolve_model
+            from asyncgrpo.base.models import resolve_model
 
             path = resolve_model(args.model)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -123,7 +123,7 @@ def padded_logprobs(model, seqs, prompt_lengths, full_logits: bool):
     """Right-padded HF forward; log-probs of completion tokens per sequence."""
     import torch
 
-    from asyncgrpo.trainer.logprobs import lm_head_token_logprobs, selective_log_softmax
+    from asyncgrpo.learning.trainer.logprobs import lm_head_token_logprobs, selective_log_softmax
 
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # (B, T)
@@ -144,7 +144,11 @@ def padded_logprobs(model, seqs, prompt_lengths, full_logits: bool):
 
 def train_step(model, variant, batch, budget):
     """Forward + backward of the whole batch; returns tokens forwarded through the model."""
-    from asyncgrpo.trainer.packing import pack_sequences, packed_token_logprobs, plan_micro_batches
+    from asyncgrpo.learning.trainer.packing import (
+        pack_sequences,
+        packed_token_logprobs,
+        plan_micro_batches,
+    )
 
     seqs, prompt_lengths, group_ids, advantages = batch
     total = sum(len(s) - p for s, p in zip(seqs, prompt_lengths))
@@ -178,7 +182,7 @@ def run_worker(args) -> dict:
     """One fresh process: load, a tiny warm-up step (kernels, grad buffers), one timed step."""
     import torch
 
-    from asyncgrpo.trainer.packing import enable_packed_attention
+    from asyncgrpo.learning.trainer.packing import enable_packed_attention
 
     torch.set_num_threads(args.threads)
     model, source = load_model(args)

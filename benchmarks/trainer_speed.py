@@ -138,7 +138,7 @@ def model_config(shape: str):
 def make_groups(args, vocab: int, seed: int):
     """GRPO-shaped groups of random tokens: one prompt per group, completions of uniformly
     spread lengths, rewards that vary inside each group."""
-    from asyncgrpo.rollout.types import Group, Rollout
+    from asyncgrpo.learning.rollout.types import Group, Rollout
 
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(min(args.shared_prefix, args.prompt_len))]
@@ -237,8 +237,8 @@ class PaddedTrainer:
 
 def asyncgrpo_trainer(args, model, compile_layers: bool | str = "auto"):
     """The one-process trainer `asyncgrpo train` builds for these settings."""
-    from asyncgrpo.config import RunConfig
-    from asyncgrpo.trainer.build import policy_trainer, prepare_policy
+    from asyncgrpo.base.config import RunConfig
+    from asyncgrpo.learning.trainer.build import policy_trainer, prepare_policy
 
     cfg = RunConfig(
         name="trainer-speed",
@@ -289,7 +289,7 @@ def build_systems(args, device: torch.device):
 
 def with_eager_head(step):
     """`step` with the LM head's passes as eager ops (`trainer/fused_head.py`)."""
-    from asyncgrpo.trainer import fused_head
+    from asyncgrpo.learning.trainer import fused_head
 
     def eager_step(groups):
         with fused_head.eager_passes():
@@ -398,7 +398,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no GPU here")
     if args.device == "cpu" and not args.no_huge_pages:
-        from asyncgrpo.hardware import huge_pages_for_large_tensors
+        from asyncgrpo.base.hardware import huge_pages_for_large_tensors
 
         print(f"huge pages for large tensors: {huge_pages_for_large_tensors()}")
     torch.set_num_threads(args.threads)

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from asyncgrpo.config import RunConfig, load_config
-from asyncgrpo.models import resolve_model
-from asyncgrpo.rollout.data import load_prompts, render_prompt
-from asyncgrpo.rollout.rewards import RewardRunner
-from asyncgrpo.trainer.checkpoint import copy_weights, write_weights
+from asyncgrpo.base.config import RunConfig, load_config
+from asyncgrpo.base.models import resolve_model
+from asyncgrpo.learning.rollout.data import load_prompts, render_prompt
+from asyncgrpo.learning.rollout.rewards import RewardRunner
+from asyncgrpo.learning.trainer.checkpoint import copy_weights, write_weights
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

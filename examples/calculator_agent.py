@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import openai
 
-from asyncgrpo.agents.runner import LLM, Result
-from asyncgrpo.agents.tools import ToolBox
-from asyncgrpo.agents.trajectory import StopReason
-from asyncgrpo.tasks.calculator import calculator, contains_answer
+from asyncgrpo.base.episode import StopReason
+from asyncgrpo.learning.agents.runner import LLM, Result
+from asyncgrpo.learning.agents.tools import ToolBox
+from asyncgrpo.learning.tasks.calculator import calculator, contains_answer
 
 MAX_TURNS = 3
 MAX_TOKENS = 48  # per reply: a tool call is ~25 tokens, an answer a sentence

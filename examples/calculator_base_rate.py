@@ -20,11 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncgrpo.agents.runner import run_episode  # noqa: E402
-from asyncgrpo.client import EngineClient  # noqa: E402
-from asyncgrpo.engine.process import EngineProcess  # noqa: E402
-from asyncgrpo.models import resolve_model  # noqa: E402
-from asyncgrpo.tasks.calculator import calculator_rows  # noqa: E402
+from asyncgrpo.base.models import resolve_model  # noqa: E402
+from asyncgrpo.inference.client import EngineClient  # noqa: E402
+from asyncgrpo.inference.engine.process import EngineProcess  # noqa: E402
+from asyncgrpo.learning.agents.runner import run_episode  # noqa: E402
+from asyncgrpo.learning.tasks.calculator import calculator_rows  # noqa: E402
 from examples.calculator_agent import MAX_TURNS, rollout  # noqa: E402
 
 

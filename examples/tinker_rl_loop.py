@@ -27,7 +27,7 @@ import numpy as np
 import tinker
 from tinker import types
 
-from asyncgrpo.tasks import get_reward, make_rows
+from asyncgrpo.learning.tasks import get_reward, make_rows
 
 TASK, REWARD = "word_count", "word_count_reward"
 

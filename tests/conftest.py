@@ -8,8 +8,8 @@ start (about 5 s of CPU) each."""
 
 import pytest
 
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.engine.process import EngineProcess
 from asyncgrpo.testing import save_tiny_model_dir
 
 

@@ -8,7 +8,7 @@ import asyncio
 
 import openai
 
-from asyncgrpo.client import EngineClient
+from asyncgrpo.inference.client import EngineClient
 
 
 def extra(obj, key):

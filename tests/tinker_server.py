@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import uvicorn
 
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.ports import free_port
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.base.ports import free_port
 
 API_KEY = "tml-asyncgrpo-test-key"
 

@@ -17,7 +17,7 @@ def __getattr__(name: str):
     """`asyncgrpo.RunAborted` (what a stopped run raises), imported on first use: the
     engine and worker processes import this package and need none of the run."""
     if name == "RunAborted":
-        from asyncgrpo.session import RunAborted
+        from asyncgrpo.run.session import RunAborted
 
         return RunAborted
     raise AttributeError(f"module 'asyncgrpo' has no attribute {name!r}")

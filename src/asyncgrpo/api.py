@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.config import ConfigError, RunConfig, build_config
+from asyncgrpo.base.config import ConfigError, RunConfig, build_config
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class AsyncGRPOTrainer:
     def _check_environment(self) -> None:
         """TRL's `tools=` / `environment_factory=`, checked now rather than at the first
         episode (`environments/trl_classes.py`)."""
-        from asyncgrpo.environments.trl_classes import check_tools, read_environments
+        from asyncgrpo.learning.environments.trl_classes import check_tools, read_environments
 
         check_tools(self.tools)
         kinds = read_environments(self.environment_factory) if self.environment_factory else []
@@ -104,7 +104,7 @@ class AsyncGRPOTrainer:
         `resume_from`: a run directory to continue. `resume_from_checkpoint` (TRL's name):
         True continues this config's run (`output_dir/name`); a path is a run directory
         or its newest checkpoint (a run resumes from its newest checkpoint only)."""
-        from asyncgrpo.run import train
+        from asyncgrpo.run.loop import train
 
         if resume_from_checkpoint:
             resume_from = self._resume_dir(resume_from_checkpoint)
@@ -122,7 +122,7 @@ class AsyncGRPOTrainer:
         return self.run_dir
 
     def _resume_dir(self, checkpoint: bool | str | Path) -> Path:
-        from asyncgrpo.trainer.checkpoint import latest_checkpoint
+        from asyncgrpo.learning.trainer.checkpoint import latest_checkpoint
 
         if checkpoint is True:
             return Path(self.args.output_dir) / self.args.name
@@ -143,7 +143,7 @@ class AsyncGRPOTrainer:
         directory that `AutoModelForCausalLM.from_pretrained` loads (under LoRA: the base
         with the adapter merged in). TRL's habit `save_model(args.output_dir)` works too:
         the model files land in `output_dir` beside its run directories."""
-        from asyncgrpo.export import export_run
+        from asyncgrpo.run.export import export_run
 
         if self.run_dir is None:
             raise RuntimeError("save_model: nothing trained yet; call train() first")

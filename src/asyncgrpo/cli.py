@@ -6,7 +6,7 @@ docstring to a developer.
 `serve` runs the embedded engine behind its HTTP server (what `EngineProcess`
 launches as a child, and what a user starts by hand to point other tools at);
 with `--upstream-url` the same server fronts a vLLM server instead of loading
-the weights (`asyncgrpo.vllm.remote_engine`).
+the weights (`asyncgrpo.inference.vllm.remote_engine`).
 Its settings are the fields of `EmbeddedEngineConfig` (a recipe's `engine:` section
 of type embedded):
 `--config FILE` reads them from a JSON or YAML file, and every field is also a
@@ -15,9 +15,9 @@ model's own, so a recipe, `asyncgrpo serve` and `Engine` never disagree.
 The connection limits and timeouts (`server/connections.py`) are fields too.
 `--model` also takes a run's checkpoint (`RUN_DIR/checkpoints/step-N`) or weights
 snapshot (`RUN_DIR/weights/step-N.safetensors`): neither is a model directory, so it is
-exported (`asyncgrpo.export`, LoRA merged) into a temporary directory served from there.
-`train` hands over to `asyncgrpo.run.main`. `export` writes a run's trained policy as
-a model (or LoRA adapter) directory (`asyncgrpo.export`), or a `tinker-serve` saved
+exported (`asyncgrpo.run.export`, LoRA merged) into a temporary directory served from there.
+`train` hands over to `asyncgrpo.run.loop.main`. `export` writes a run's trained policy as
+a model (or LoRA adapter) directory (`asyncgrpo.run.export`), or a `tinker-serve` saved
 state, named by its `tinker://` path and `--state-dir` or by its directory, the same way
 (`asyncgrpo.tinker.export`). Errors a user can fix (a wrong
 model path, a missing package, a bad value) print one line and exit non-zero,
@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from asyncgrpo.config import ConfigError, EmbeddedEngineConfig, ModelConfig, build_config
+from asyncgrpo.base.config import ConfigError, EmbeddedEngineConfig, ModelConfig, build_config
 
 TOKEN_ENV = "ASYNCGRPO_ADMIN_TOKEN"
 # EmbeddedEngineConfig fields that describe how a run reaches or launches its engines, not
@@ -55,7 +55,7 @@ class CliError(Exception):
 def resolve_model_dir(name: str, scratch: contextlib.ExitStack) -> str:
     """A local model directory for `name`: a shipped model's name, a model directory, or a
     run's checkpoint / weights snapshot (exported to a directory `scratch` removes)."""
-    from asyncgrpo.models import resolve_model
+    from asyncgrpo.base.models import resolve_model
 
     found = run_weights(Path(name))
     if found is not None:
@@ -69,7 +69,7 @@ def resolve_model_dir(name: str, scratch: contextlib.ExitStack) -> str:
 def run_weights(path: Path) -> tuple[Path, int] | None:
     """(run directory, step) when `path` is `RUN_DIR/checkpoints/step-N` (no config.json
     of its own) or `RUN_DIR/weights/step-N.safetensors`; None for anything else."""
-    from asyncgrpo.export import STEP_NAME
+    from asyncgrpo.run.export import STEP_NAME
 
     match = STEP_NAME.match(path.name)
     if match is None or (path / "config.json").is_file():
@@ -83,7 +83,7 @@ def run_weights(path: Path) -> tuple[Path, int] | None:
 
 def export_for_serving(run_dir: Path, step: int, scratch: contextlib.ExitStack) -> str:
     """The run's step as a model directory in a temporary folder (LoRA merged into the base)."""
-    from asyncgrpo.export import ExportError, export_run
+    from asyncgrpo.run.export import ExportError, export_run
 
     out_dir = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="asyncgrpo-serve-")))
     try:
@@ -167,7 +167,7 @@ def add_serve_parser(commands) -> None:
 def field_help(name: str, field) -> str:
     """A field's docstring and default as help text (`%` escaped for argparse)."""
     if name == "model":  # serve's own meaning of an unset model
-        from asyncgrpo.models import DEFAULT_MODEL
+        from asyncgrpo.base.models import DEFAULT_MODEL
 
         doc = (
             "a model directory, a shipped model's name, a hub id in the local Hugging Face "
@@ -226,7 +226,7 @@ def engine_config(args: argparse.Namespace) -> EmbeddedEngineConfig:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from asyncgrpo.engine.process import exit_with_parent
+    from asyncgrpo.inference.engine.process import exit_with_parent
 
     exit_with_parent()  # a no-op unless started by EngineProcess
     cfg = engine_config(args)
@@ -240,15 +240,15 @@ def serve(args: argparse.Namespace) -> int:
 def serve_model(args: argparse.Namespace, cfg: EmbeddedEngineConfig, name: str) -> None:
     """Load `cfg.model` and answer requests until interrupted."""
     token = args.admin_token or os.environ.get(TOKEN_ENV) or None
-    from asyncgrpo.agents.toolcalls import get_parser
+    from asyncgrpo.inference.server.toolcalls import get_parser
 
     try:
         get_parser(cfg.tool_parser)
     except (KeyError, ValueError) as exc:
         raise CliError(f"--tool-parser: {exc}") from None
 
-    from asyncgrpo.server import ServerSettings, create_app
-    from asyncgrpo.server.connections import run_server
+    from asyncgrpo.inference.server import ServerSettings, create_app
+    from asyncgrpo.inference.server.connections import run_server
 
     engine, generating_with = build_engine(cfg)
     settings = ServerSettings.from_config(cfg, admin_token=token, default_name=name)
@@ -266,7 +266,7 @@ def serve_model(args: argparse.Namespace, cfg: EmbeddedEngineConfig, name: str) 
 
 
 def export(args: argparse.Namespace) -> int:
-    from asyncgrpo.export import ExportError, export_run
+    from asyncgrpo.run.export import ExportError, export_run
 
     try:
         tinker_state = find_tinker_state(args.run_dir, args.state_dir)
@@ -296,10 +296,10 @@ def find_tinker_state(source: str, state_dir: str | None) -> Path | None:
 
 def build_engine(cfg: EmbeddedEngineConfig):
     """(engine, what generates): the embedded engine, or a vLLM server's with `upstream_url`."""
-    from asyncgrpo.engine.types import RequestError
+    from asyncgrpo.inference.engine.types import RequestError
 
     if cfg.upstream_url:
-        from asyncgrpo.vllm.remote_engine import RemoteEngine
+        from asyncgrpo.inference.vllm.remote_engine import RemoteEngine
 
         try:
             engine = RemoteEngine(cfg)
@@ -308,7 +308,7 @@ def build_engine(cfg: EmbeddedEngineConfig):
         except OSError as exc:  # no tokenizer or config in the model directory
             raise CliError(f"cannot load the tokenizer from {cfg.model}: {exc}") from None
         return engine, f"vLLM at {engine.upstream_url}, {engine.dtype.removeprefix('torch.')}"
-    from asyncgrpo.engine.engine import Engine
+    from asyncgrpo.inference.engine.engine import Engine
 
     try:
         return Engine(cfg), cfg.resolved_dtype()
@@ -326,11 +326,11 @@ def _is_loopback(host: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:  # `train` owns its arguments (recipe, --set, --resume, ...)
-        from asyncgrpo.run import main as train_main
+        from asyncgrpo.run.loop import main as train_main
 
         return train_main(argv[1:])
     if argv[:1] == ["plot"]:  # so does `plot` (run directories, --compare)
-        from asyncgrpo.metrics import plot_main
+        from asyncgrpo.learning.metrics import plot_main
 
         return plot_main(argv[1:])
     if argv[:1] == ["plan"]:  # and `plan` (a grid of layouts; imports no torch)

@@ -17,11 +17,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.base.engine_errors import EngineStartError
 from asyncgrpo.cli import CliError, resolve_model_dir
-from asyncgrpo.client import EngineClient
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.process import EngineProcess
-from asyncgrpo.engine_errors import EngineStartError
+from asyncgrpo.inference.client import EngineClient
+from asyncgrpo.inference.engine.process import EngineProcess
 
 QUESTION = [
     {"role": "system", "content": "You are a concise assistant."},
@@ -59,9 +59,9 @@ async def ask(proc: EngineProcess, max_tokens: int) -> None:
 def train_demo(recipe: str, overrides: list[str]) -> int:
     import json
 
-    from asyncgrpo.config import ConfigError, load_config
-    from asyncgrpo.run import train
-    from asyncgrpo.session import RunAborted
+    from asyncgrpo.base.config import ConfigError, load_config
+    from asyncgrpo.run.loop import train
+    from asyncgrpo.run.session import RunAborted
 
     if not Path(recipe).exists():
         print(f"error: recipe {recipe} not found (run `make demo` from the repository root)")

@@ -19,8 +19,8 @@ from contextlib import contextmanager
 import pytest
 from fuzz_http import Fuzzer
 
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.engine.process import EngineProcess
 
 GiB = 2**30
 SERVER_ADDRESS_SPACE = 6 * GiB  # the tiny-model server maps about 1.1 GiB

@@ -38,7 +38,7 @@ from fuzz_inputs import ADMIN_EXAMPLES, EPISODE, GENERATION_EXAMPLES, chat_bodie
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.core import NOT_SET
 
-from asyncgrpo.server.app import create_app
+from asyncgrpo.inference.server.app import create_app
 
 pytestmark = pytest.mark.fuzz
 

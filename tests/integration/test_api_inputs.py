@@ -17,8 +17,8 @@ import yaml
 from safetensors.torch import load_file
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.config import ConfigError
-from asyncgrpo.rollout.data import DatasetError, dataset_rows
+from asyncgrpo.base.config import ConfigError
+from asyncgrpo.learning.rollout.data import DatasetError, dataset_rows
 from asyncgrpo.testing import engine_children, even_token_reward, tiny_prompt_rows
 
 ROWS = tiny_prompt_rows(40)

@@ -19,10 +19,10 @@ import torch
 from test_data_parallel import LORA, batches, config, train
 from test_train import start_cli, train_rows, write_recipe
 
+from asyncgrpo.learning.trainer.build import load_policy, policy_trainer
+from asyncgrpo.learning.trainer.data_parallel import DataParallelTrainer
+from asyncgrpo.learning.trainer.distributed import leave, start_world
 from asyncgrpo.testing import save_tiny_model_dir
-from asyncgrpo.trainer.build import load_policy, policy_trainer
-from asyncgrpo.trainer.data_parallel import DataParallelTrainer
-from asyncgrpo.trainer.distributed import leave, start_world
 
 pytestmark = pytest.mark.gpu
 
@@ -105,8 +105,8 @@ def test_varlen_kernel_on_the_gpu_equals_the_block_mask_attention():
     """The flash varlen call (`trainer/varlen.py`) over a packed row with shared prompts and
     grouped KV heads, in bf16, against fp32 attention with the dense block mask on the
     same bf16 values: outputs and gradients within bf16 rounding."""
-    from asyncgrpo.trainer.packing import pack_sequences
-    from asyncgrpo.trainer.varlen import varlen_attention, varlen_available, varlen_layout
+    from asyncgrpo.learning.trainer.packing import pack_sequences
+    from asyncgrpo.learning.trainer.varlen import varlen_attention, varlen_available, varlen_layout
 
     assert varlen_available()
     p1, p2 = list(range(1, 8)), [40, 41, 42]
@@ -135,7 +135,7 @@ def test_bf16_trainer_with_varlen_attention_has_the_mask_gradients(tmp_path, mon
     """Under bf16 autocast, `trainer.attention: varlen` runs the varlen kernel (not the
     per-segment fallback) and gives the first gradients of the dense-mask path to bf16
     precision."""
-    from asyncgrpo.trainer import packing
+    from asyncgrpo.learning.trainer import packing
 
     calls = []
 
@@ -190,7 +190,7 @@ def test_fsdp2_over_nccl_on_one_gpu_equals_the_unsharded_trainer(tmp_path):
 
 
 def state(step: int):
-    from asyncgrpo.trainer.checkpoint import TrainingState
+    from asyncgrpo.learning.trainer.checkpoint import TrainingState
 
     return TrainingState(step, step, {}, {})
 

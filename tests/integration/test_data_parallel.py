@@ -4,7 +4,7 @@ Weights in float64: the log-prob kernels still compute in float32, and Adam's fi
 steps divide by the gradients' own size, so a float32 rounding difference in a
 near-zero gradient (sums taken in another order) would move that weight by up to
 ~lr·1e-3 in float32 weights; with float64 weights the difference stays below 1e-6. Rank 0 is this test process (`wiring.make_trainer` with `trainer.num_processes: 2`
-starts rank 1 as `python -m asyncgrpo.trainer.follower`); the reference is the
+starts rank 1 as `python -m asyncgrpo.learning.trainer.follower`); the reference is the
 one-process `PolicyTrainer` on the same batches. Batches have groups of different
 lengths and a micro-batch budget small enough that ranks run different numbers of
 micro-batches. Also here: a checkpoint restores into a sharded trainer exactly, and
@@ -37,11 +37,11 @@ from test_train import (
     write_recipe,
 )
 
-from asyncgrpo.config import RunConfig
-from asyncgrpo.rollout.types import Group, Rollout
+from asyncgrpo.base.config import RunConfig
+from asyncgrpo.learning.rollout.types import Group, Rollout
+from asyncgrpo.learning.trainer.build import load_policy, make_trainer, policy_trainer
+from asyncgrpo.learning.trainer.checkpoint import TrainingState
 from asyncgrpo.testing import save_tiny_model_dir
-from asyncgrpo.trainer.build import load_policy, make_trainer, policy_trainer
-from asyncgrpo.trainer.checkpoint import TrainingState
 
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
@@ -314,7 +314,7 @@ def test_a_two_process_run_survives_kill_9_of_a_rank_by_resuming(
     wait_for(lambda: checkpoint_step(run_dir) >= 2, 240, proc, log)
     assert [r["version"] for r in train_rows(run_dir)][:2] == [1, 2]
     children = descendants(proc.pid)
-    ranks = [p for p in children if "asyncgrpo.trainer.follower" in cmdline(p)]
+    ranks = [p for p in children if "asyncgrpo.learning.trainer.follower" in cmdline(p)]
     assert len(ranks) == 1, [cmdline(p) for p in children]
     os.kill(ranks[0], signal.SIGKILL)
     killed = time.monotonic()
@@ -411,7 +411,7 @@ def test_a_hung_rank_stops_the_job_within_the_collective_timeout(
         wait_for(lambda: checkpoint_step(run_dir) >= 2, 240, proc, log)
         assert [r["version"] for r in train_rows(run_dir)][:2] == [1, 2]
         children = descendants(proc.pid)
-        ranks = [p for p in children if "asyncgrpo.trainer.follower" in cmdline(p)]
+        ranks = [p for p in children if "asyncgrpo.learning.trainer.follower" in cmdline(p)]
         assert len(ranks) == 1, [cmdline(p) for p in children]
         rank = ranks[0]
         os.kill(rank, signal.SIGSTOP)
@@ -433,6 +433,6 @@ def test_a_hung_rank_stops_the_job_within_the_collective_timeout(
         assert not left, f"a process was left behind: {left}"
     finally:
         proc.kill()
-        if rank is not None and "asyncgrpo.trainer.follower" in cmdline(rank):
+        if rank is not None and "asyncgrpo.learning.trainer.follower" in cmdline(rank):
             os.kill(rank, signal.SIGKILL)
             os.kill(rank, signal.SIGCONT)

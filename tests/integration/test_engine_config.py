@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from asyncgrpo import cli
-from asyncgrpo.config import EmbeddedEngineConfig, build_config
-from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.base.config import EmbeddedEngineConfig, build_config
+from asyncgrpo.inference.engine.process import EngineProcess
 
 RECIPE_ENGINE = {
     "max_model_len": 200,

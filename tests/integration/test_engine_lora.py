@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncgrpo.backend.embedded import EmbeddedBackend
-from asyncgrpo.client import EngineRefused
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.loop_thread import LoopThread
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.base.loop_thread import LoopThread
+from asyncgrpo.inference.backend.embedded import EmbeddedBackend
+from asyncgrpo.inference.client import EngineRefused
 
 peft = pytest.importorskip("peft")
 

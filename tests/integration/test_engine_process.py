@@ -13,9 +13,9 @@ import threading
 
 import pytest
 
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.process import EngineProcess
-from asyncgrpo.engine_errors import EngineStartError
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.base.engine_errors import EngineStartError
+from asyncgrpo.inference.engine.process import EngineProcess
 from asyncgrpo.testing import engine_children
 
 

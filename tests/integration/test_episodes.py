@@ -14,9 +14,10 @@ import pytest
 from gateway_scenarios import assert_an_sdk_retry_is_answered_once, extra
 from transformers import AutoTokenizer
 
-from asyncgrpo.agents.runner import run_episode
-from asyncgrpo.agents.trajectory import ChatRenderer, StopReason
-from asyncgrpo.client import EngineClient
+from asyncgrpo.base.episode import StopReason
+from asyncgrpo.inference.client import EngineClient
+from asyncgrpo.inference.server.trajectory import ChatRenderer
+from asyncgrpo.learning.agents.runner import run_episode
 
 CALCULATOR = {
     "type": "function",

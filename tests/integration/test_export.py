@@ -18,14 +18,14 @@ import yaml
 from test_train import train_rows, write_recipe
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncgrpo.backend.embedded import EmbeddedBackend
+from asyncgrpo.base.config import RunConfig
 from asyncgrpo.cli import main as cli_main
-from asyncgrpo.client import EngineClient
-from asyncgrpo.config import RunConfig
-from asyncgrpo.engine.loading import load_model as engine_load_model
-from asyncgrpo.export import export_run
-from asyncgrpo.trainer.checkpoint import Checkpointer, TrainingState, save_checkpoint
-from asyncgrpo.trainer.lora import apply_lora, published_weights
+from asyncgrpo.inference.backend.embedded import EmbeddedBackend
+from asyncgrpo.inference.client import EngineClient
+from asyncgrpo.inference.engine.loading import load_model as engine_load_model
+from asyncgrpo.learning.trainer.checkpoint import Checkpointer, TrainingState, save_checkpoint
+from asyncgrpo.learning.trainer.lora import apply_lora, published_weights
+from asyncgrpo.run.export import export_run
 
 peft = pytest.importorskip("peft")
 

@@ -27,11 +27,11 @@ import torch
 import yaml
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.backend import EngineDied
-from asyncgrpo.backend.external import ExternalBackend
-from asyncgrpo.config import ExternalEngineConfig
+from asyncgrpo.base.config import ExternalEngineConfig
+from asyncgrpo.inference.backend import EngineDied
+from asyncgrpo.inference.backend.external import ExternalBackend
+from asyncgrpo.learning.trainer import policy_trainer as trainer_loop
 from asyncgrpo.testing import engine_children, even_token_reward, tiny_prompt_rows
-from asyncgrpo.trainer import policy_trainer as trainer_loop
 
 ENGINE_SETTINGS = {"max_model_len": 128}
 
@@ -143,7 +143,7 @@ def test_an_external_engine_that_stalls_in_a_sync_ends_it_with_a_clear_error(
             os.kill(server.pid, signal.SIGCONT)
             await backend.close()
 
-    with caplog.at_level(logging.WARNING, logger="asyncgrpo.backend"):
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.inference.backend"):
         with pytest.raises(EngineDied) as died:
             asyncio.run(sync_while_stopped())
     message = str(died.value)
@@ -181,7 +181,7 @@ def test_an_engine_stopped_before_a_weight_sync_is_restarted_and_the_run_finishe
         args=AsyncGRPOConfig(**flat),
     )
     try:
-        with caplog.at_level(logging.WARNING, logger="asyncgrpo.backend"):
+        with caplog.at_level(logging.WARNING, logger="asyncgrpo.inference.backend"):
             run_dir = trainer.train()
     finally:
         for pid in stopped:

@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.client.engine_client import EngineClient
-from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
-from asyncgrpo.rollout.types import Group, Rollout
+from asyncgrpo.base.config import AdvantageConfig, LossConfig, TrainerConfig
+from asyncgrpo.inference.client.engine_client import EngineClient
+from asyncgrpo.learning.rollout.types import Group, Rollout
+from asyncgrpo.learning.trainer import policy_trainer as trainer_loop
 from asyncgrpo.testing import even_token_reward, tiny_prompt_rows
-from asyncgrpo.trainer import policy_trainer as trainer_loop
 
 STEPS = 20
 

@@ -22,7 +22,7 @@ from test_train import read_jsonl, train_rows, write_recipe
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo.cli import main as cli_main
-from asyncgrpo.session.engine_link import EngineLink
+from asyncgrpo.run.session.engine_link import EngineLink
 
 peft = pytest.importorskip("peft")
 

@@ -31,11 +31,11 @@ import yaml
 from test_train import base_config, flat
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.config import AdvantageConfig
-from asyncgrpo.rollout.rewards import RewardRunner
-from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
-from asyncgrpo.run import run_to_end
-from asyncgrpo.session import RunAborted
+from asyncgrpo.base.config import AdvantageConfig
+from asyncgrpo.learning.rollout.rewards import RewardRunner
+from asyncgrpo.learning.rollout.single_turn import SamplingSettings, SingleTurnBuilder
+from asyncgrpo.run.loop import run_to_end
+from asyncgrpo.run.session import RunAborted
 from asyncgrpo.testing import even_token_reward, tiny_prompt_rows
 
 REWARDS = """

@@ -17,18 +17,18 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo import cli
-from asyncgrpo.config import EmbeddedEngineConfig, EngineSettings, RunConfig
-from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.process import EngineProcess, last_words
-from asyncgrpo.engine.types import RequestError
-from asyncgrpo.engine_errors import EngineStartError
-from asyncgrpo.testing import build_tiny_tokenizer, save_tiny_model_dir
-from asyncgrpo.trainer.checkpoint import (
+from asyncgrpo.base.config import EmbeddedEngineConfig, EngineSettings, RunConfig
+from asyncgrpo.base.engine_errors import EngineStartError
+from asyncgrpo.inference.engine.engine import Engine
+from asyncgrpo.inference.engine.process import EngineProcess, last_words
+from asyncgrpo.inference.engine.types import RequestError
+from asyncgrpo.learning.trainer.checkpoint import (
     TrainingState,
     copy_weights,
     save_checkpoint,
     write_weights,
 )
+from asyncgrpo.testing import build_tiny_tokenizer, save_tiny_model_dir
 
 PROMPT = [5, 17, 42, 99, 230, 7]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncgrpo.client import EngineClient
+from asyncgrpo.inference.client import EngineClient
 
 CHUNK = 32
 ENGINE_SETTINGS = dict(max_num_seqs=8, prefill_chunk_size=CHUNK)  # conftest.py's `server`

@@ -30,7 +30,7 @@ from test_train import (
 )
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.run import train
+from asyncgrpo.run.loop import train
 from asyncgrpo.testing import (
     even_token_reward,
     on_ray_cluster,

@@ -23,15 +23,15 @@ from test_train import Recorder, base_config, flat, read_jsonl, train_rows
 from transformers import AutoModelForCausalLM
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.agents.runner import run_episode
-from asyncgrpo.agents.trajectory import StopReason
-from asyncgrpo.backend import make_backend
-from asyncgrpo.backend.replicas import ReplicaBackend
-from asyncgrpo.client import EngineClient
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.process import EngineProcess
-from asyncgrpo.loop_thread import LoopThread
-from asyncgrpo.run import train
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.base.episode import StopReason
+from asyncgrpo.base.loop_thread import LoopThread
+from asyncgrpo.inference.backend import make_backend
+from asyncgrpo.inference.backend.replicas import ReplicaBackend
+from asyncgrpo.inference.client import EngineClient
+from asyncgrpo.inference.engine.process import EngineProcess
+from asyncgrpo.learning.agents.runner import run_episode
+from asyncgrpo.run.loop import train
 from asyncgrpo.testing import engine_children, even_token_reward, tiny_prompt_rows
 
 PROMPT = [3, 17, 42, 9, 11]

@@ -21,9 +21,9 @@ import time
 import httpx
 import pytest
 
-from asyncgrpo.client import EngineClient
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.process import EngineProcess
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.client import EngineClient
+from asyncgrpo.inference.engine.process import EngineProcess
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 
@@ -226,7 +226,7 @@ def test_keep_alive_clients_reconnect_after_the_server_closes_an_idle_connection
 
 def test_the_body_deadline_ends_with_the_body():
     """A streaming route waits on `receive` for a disconnect long after its body: no deadline."""
-    from asyncgrpo.server.limits import BodyDeadline
+    from asyncgrpo.inference.server.limits import BodyDeadline
 
     async def scenario():
         messages = [{"type": "http.request", "body": b"{}", "more_body": False}]

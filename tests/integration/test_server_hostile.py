@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
-from asyncgrpo.server import ServerSettings, create_app
+from asyncgrpo.inference.server import ServerSettings, create_app
 
 ENGINE_SETTINGS = dict(max_num_seqs=64, max_request_sequences=256)  # conftest's `server`
 MAX_MODEL_LEN = 512  # the tiny model's own limit

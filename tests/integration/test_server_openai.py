@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncgrpo.client import EngineClient
+from asyncgrpo.inference.client import EngineClient
 
 # the `server` fixture of conftest.py, shared with test_episodes and test_logprob_mismatch
 ENGINE_SETTINGS = dict(max_num_seqs=8, served_model_name="tiny", max_body_mb=1)

@@ -21,10 +21,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncgrpo.client import EngineClient, EngineRefused
-from asyncgrpo.transport import make_transport
-from asyncgrpo.transport.disk import DIRECTORY_PREFIX
-from asyncgrpo.transport.shm import SEGMENT_PREFIX, shm_directory
+from asyncgrpo.inference.client import EngineClient, EngineRefused
+from asyncgrpo.inference.transport import make_transport
+from asyncgrpo.inference.transport.disk import DIRECTORY_PREFIX
+from asyncgrpo.inference.transport.shm import SEGMENT_PREFIX, shm_directory
 
 ENGINE_SETTINGS = dict(max_num_seqs=8)  # the `server` fixture of conftest.py
 

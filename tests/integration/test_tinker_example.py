@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asyncgrpo.ports import free_port
+from asyncgrpo.base.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from asyncgrpo.base.config import TrainerConfig
 from asyncgrpo.cli import main as cli_main
-from asyncgrpo.config import TrainerConfig
+from asyncgrpo.learning.trainer.datums import AdamParams
 from asyncgrpo.tinker.checkpoints import CheckpointStore, tinker_path
 from asyncgrpo.tinker.training import LORA_ALPHA, LoraModels
 from asyncgrpo.tinker.wire import TinkerDatum
-from asyncgrpo.trainer.datums import AdamParams
 
 peft = pytest.importorskip("peft")
 

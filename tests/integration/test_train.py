@@ -31,13 +31,13 @@ import yaml
 from safetensors.torch import load_file
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.learning.trainer import policy_trainer as trainer_loop
 from asyncgrpo.testing import (
     engine_children,
     even_token_reward,
     failing_on_flag_reward,
     tiny_prompt_rows,
 )
-from asyncgrpo.trainer import policy_trainer as trainer_loop
 
 
 def base_config(tmp_path: Path, model_dir: Path, name: str, **overrides) -> dict:
@@ -399,8 +399,8 @@ def test_a_build_that_fails_after_the_engine_started_stops_it(
     tmp_path, tiny_model_dir, monkeypatch
 ):
     """The engine starts before the trainer's model loads; a later error must not orphan it."""
-    from asyncgrpo import wiring
-    from asyncgrpo.config import RunConfig
+    from asyncgrpo.base.config import RunConfig
+    from asyncgrpo.run import build as wiring
 
     cfg = base_config(tmp_path, tiny_model_dir, "late-failure")
     cfg["dataset"] = {"builtin": "arithmetic", "size": 8}

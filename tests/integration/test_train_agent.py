@@ -16,8 +16,8 @@ import json
 from test_train import Recorder, base_config, flat, read_jsonl
 
 from asyncgrpo import AsyncGRPOConfig
-from asyncgrpo.rollout import episodes as episodes_mod
-from asyncgrpo.run import train
+from asyncgrpo.learning.rollout import episodes as episodes_mod
+from asyncgrpo.run.loop import train
 from asyncgrpo.testing import tiny_prompt_rows
 
 SAMPLED: dict[str, list] = {}  # episode api key -> [(prompt ids, sampled ids), ...] per call

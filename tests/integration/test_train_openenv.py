@@ -23,9 +23,9 @@ from test_train import Recorder, base_config, flat, read_jsonl
 from transformers import AutoTokenizer
 
 from asyncgrpo import AsyncGRPOConfig
-from asyncgrpo.environments import openenv_server
-from asyncgrpo.rollout import episodes as episodes_mod
-from asyncgrpo.run import train
+from asyncgrpo.learning.environments import openenv_server
+from asyncgrpo.learning.rollout import episodes as episodes_mod
+from asyncgrpo.run.loop import train
 from asyncgrpo.testing import save_tiny_model_dir
 
 

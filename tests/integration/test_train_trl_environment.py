@@ -22,9 +22,9 @@ import torch
 from test_train import Recorder, base_config, flat, read_jsonl
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.agents.tools import tool_schema
-from asyncgrpo.agents.trajectory import ChatRenderer
-from asyncgrpo.rollout import episodes as episodes_mod
+from asyncgrpo.inference.server.trajectory import ChatRenderer
+from asyncgrpo.learning.agents.tools import tool_schema
+from asyncgrpo.learning.rollout import episodes as episodes_mod
 from asyncgrpo.testing import save_tiny_model_dir, tiny_prompt_rows
 
 # a ChatML template that shows tools in one line (the fallback's long description would

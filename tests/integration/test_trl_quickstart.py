@@ -26,7 +26,7 @@ def test_a_trl_style_script_runs_and_its_export_matches_the_engine(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from asyncgrpo.models import resolve_model
+    from asyncgrpo.base.models import resolve_model
 
     ds = Dataset.from_list([{"prompt": f"Write one line about {t}."} for t in TOPICS * 4])
     args = AsyncGRPOConfig(
@@ -69,8 +69,8 @@ def test_a_trl_style_script_runs_and_its_export_matches_the_engine(tmp_path):
 
 def engine_greedy(model_dir, prompt: list[int], tokens: int) -> list[int]:
     """The embedded engine's greedy tokens for `prompt`, in fp32."""
-    from asyncgrpo.backend.embedded import EmbeddedBackend
-    from asyncgrpo.config import EmbeddedEngineConfig
+    from asyncgrpo.base.config import EmbeddedEngineConfig
+    from asyncgrpo.inference.backend.embedded import EmbeddedBackend
 
     async def run() -> list[int]:
         backend = EmbeddedBackend(EmbeddedEngineConfig(model=str(model_dir), dtype="float32"))

@@ -21,10 +21,10 @@ import pytest
 from test_train import Recorder, base_config, flat, read_jsonl
 
 from asyncgrpo import AsyncGRPOConfig
-from asyncgrpo.agents.trajectory import StopReason
-from asyncgrpo.config import ConfigError, RunConfig
-from asyncgrpo.rollout import episodes as episodes_mod
-from asyncgrpo.run import train
+from asyncgrpo.base.config import ConfigError, RunConfig
+from asyncgrpo.base.episode import StopReason
+from asyncgrpo.learning.rollout import episodes as episodes_mod
+from asyncgrpo.run.loop import train
 
 pytest.importorskip("verifiers")
 REPO = Path(__file__).parents[2]
@@ -142,7 +142,7 @@ def _assistant_then_user(text: str):
 
 def test_the_rubric_group_call_scores_the_whole_group(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
-    from asyncgrpo.environments.verifiers_episodes import RubricScorer
+    from asyncgrpo.learning.environments.verifiers_episodes import RubricScorer
 
     targets = [2, 3]
     states = [
@@ -162,7 +162,7 @@ def test_the_rubric_group_call_scores_the_whole_group(monkeypatch):
 
 
 def test_verifiers_v1_is_refused_with_what_it_lacks(monkeypatch):
-    from asyncgrpo.environments.verifiers import classic_api
+    from asyncgrpo.learning.environments.verifiers import classic_api
 
     fake = types.ModuleType("verifiers")
     fake.__version__ = "0.4.0"
@@ -181,7 +181,7 @@ def test_a_module_without_load_environment_is_refused(tmp_path, monkeypatch):
     (tmp_path / "v1_taskset_like.py").write_text("__all__ = ['MyTaskset']\nMyTaskset = None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = RunConfig.model_validate({"agent": {"verifiers": {"id": "v1-taskset-like"}}})
-    from asyncgrpo.environments import episode_source
+    from asyncgrpo.learning.environments import episode_source
 
     with pytest.raises(ConfigError, match="has no load_environment.*verifiers.v1"):
         episode_source(cfg)
@@ -199,9 +199,9 @@ def test_how_a_verifiers_rollout_ended_becomes_its_stop_reason():
     import openai
     import verifiers.legacy as vf
 
-    from asyncgrpo.agents.rollout_api import EnvironmentFailure
-    from asyncgrpo.agents.trajectory import StopReason
-    from asyncgrpo.environments.verifiers_episodes import VerifiersRollout
+    from asyncgrpo.base.episode import StopReason
+    from asyncgrpo.learning.agents.rollout_api import EnvironmentFailure
+    from asyncgrpo.learning.environments.verifiers_episodes import VerifiersRollout
 
     ending = VerifiersRollout(vf, None, {}).ending
     request = httpx.Request("POST", "http://gateway/v1/chat/completions")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from test_train import read_jsonl
 
-from asyncgrpo.config import load_config
-from asyncgrpo.run import train
+from asyncgrpo.base.config import load_config
+from asyncgrpo.run.loop import train
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("verifiers")

@@ -1,4 +1,4 @@
-"""The LoRA adapter convention and merge (`asyncgrpo.adapters`) against hand-built tensors,
+"""The LoRA adapter convention and merge (`asyncgrpo.inference.adapters`) against hand-built tensors,
 and against peft itself: its saved names pair up, and it loads what we write."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from asyncgrpo.adapters import (
+from asyncgrpo.inference.adapters import (
     AdapterError,
     AdapterMerge,
     adapter_pairs,
@@ -195,7 +195,7 @@ def test_adapters_of_different_ranks_are_not_saved(tmp_path):
 
 
 def test_vllm_backend_tells_adapters_from_full_images_without_reading_an_image():
-    from asyncgrpo.vllm.lora import adapter_or_weights
+    from asyncgrpo.inference.vllm.lora import adapter_or_weights
 
     def image():
         yield "model.embed_tokens.weight", torch.zeros(2)
@@ -214,8 +214,8 @@ def test_vllm_backend_tells_adapters_from_full_images_without_reading_an_image()
 
 
 def test_vllm_lora_rank_rounds_up_to_a_rank_vllm_serves():
-    from asyncgrpo.config import ConfigError, VLLMEngineConfig
-    from asyncgrpo.vllm.launcher import lora_arguments, vllm_lora_rank
+    from asyncgrpo.base.config import ConfigError, VLLMEngineConfig
+    from asyncgrpo.inference.vllm.launcher import lora_arguments, vllm_lora_rank
 
     assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 16, 300, 512)] == [
         1,

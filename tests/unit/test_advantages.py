@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from asyncgrpo.rollout.advantages import AdvantageConfig, compute_advantages
+from asyncgrpo.learning.rollout.advantages import AdvantageConfig, compute_advantages
 
 EPS = 1e-4
 

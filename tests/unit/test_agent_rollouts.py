@@ -7,19 +7,19 @@ import asyncio
 import pytest
 import torch
 
-from asyncgrpo.agents.runner import EpisodeOutcome
-from asyncgrpo.agents.trajectory import BranchSequence, EpisodeMetrics, StopReason
-from asyncgrpo.config import AdvantageConfig, ConfigError, build_config
-from asyncgrpo.coordinator.buffer import RolloutBuffer
-from asyncgrpo.rollout.episodes import (
+from asyncgrpo.base.config import AdvantageConfig, ConfigError, build_config
+from asyncgrpo.base.episode import BranchSequence, EpisodeMetrics, StopReason
+from asyncgrpo.learning.agents.runner import EpisodeOutcome
+from asyncgrpo.learning.coordinator.buffer import RolloutBuffer
+from asyncgrpo.learning.rollout.episodes import (
     EpisodeGroupBuilder,
     EpisodeSettings,
     GroupDropped,
     load_rollout,
 )
-from asyncgrpo.rollout.orchestrator import Orchestrator
-from asyncgrpo.rollout.types import Group, Rollout
-from asyncgrpo.trainer.grpo_loss import sampled_mask
+from asyncgrpo.learning.rollout.orchestrator import Orchestrator
+from asyncgrpo.learning.rollout.types import Group, Rollout
+from asyncgrpo.learning.trainer.grpo_loss import sampled_mask
 
 
 def two_turn_sample(base: int, version: int = 3) -> BranchSequence:
@@ -165,9 +165,9 @@ def test_sampled_mask_pads_and_defaults_to_ones():
 
 def test_trainer_ignores_inserted_tokens():
     """Changing the tokens and log-probs at mask-0 positions changes neither loss nor gradient."""
-    from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
+    from asyncgrpo.base.config import AdvantageConfig, LossConfig, TrainerConfig
+    from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer
     from asyncgrpo.testing import build_tiny_llama
-    from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
     def run(inserted_logprob: float) -> tuple[float, torch.Tensor]:
         model = build_tiny_llama(64, seed=1)
@@ -216,8 +216,8 @@ def test_agent_config_section_and_rollout_loading(tmp_path, monkeypatch):
 
 
 def test_reward_functions_grade_the_final_reply_as_metrics_only():
-    from asyncgrpo.rollout.episodes import final_reply_ids
-    from asyncgrpo.rollout.rewards import RewardRunner
+    from asyncgrpo.learning.rollout.episodes import final_reply_ids
+    from asyncgrpo.learning.rollout.rewards import RewardRunner
 
     assert final_reply_ids(outcome(1.0)) == [12, 13]
 
@@ -234,8 +234,8 @@ def test_reward_functions_grade_the_final_reply_as_metrics_only():
 
 
 def test_calculator_tool_evaluates_arithmetic_and_refuses_everything_else():
-    from asyncgrpo.agents.tools import ToolBox
-    from asyncgrpo.tasks.calculator import calculator, calculator_rows, contains_answer
+    from asyncgrpo.learning.agents.tools import ToolBox
+    from asyncgrpo.learning.tasks.calculator import calculator, calculator_rows, contains_answer
 
     assert calculator("347 * 58") == "20126" and calculator("(1 + 2) / 4") == "0.75"
     assert calculator("-3 + 10 / 2") == "2"

@@ -13,10 +13,10 @@ import asyncio
 import pytest
 import torch
 
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.request import Request
-from asyncgrpo.engine.types import SamplingParams
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.engine.engine import Engine
+from asyncgrpo.inference.engine.request import Request
+from asyncgrpo.inference.engine.types import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_rows_are_regrouped_by_key_length_and_change_no_bit(engine, monkeypatch)
     """Decode keeps the rows of one key length in consecutive slots, longest first
     (scheduler.py): a long request joining short ones, and a row whose keys grow into the
     next block mid-decode, are swapped into place, caches and all."""
-    from asyncgrpo.engine.attention import decode_key_length
+    from asyncgrpo.inference.engine.attention import decode_key_length
 
     text = "the cat sat on the mat and the dog ran in the park with a red ball "
     short = tokens(engine, text * 2)[:40]
@@ -140,7 +140,7 @@ def test_runner_rows_are_independent_of_padding_and_batch(engine):
 def test_a_linear_row_is_the_same_alone_as_in_a_batch():
     """oneDNN and BLAS switch to a matrix-vector kernel for one or two rows, which rounds
     otherwise (seen at SmolLM2-135M's down projection, 1536 -> 576)."""
-    from asyncgrpo.engine.runner import _Linear, onednn_linear_available
+    from asyncgrpo.inference.engine.runner import _Linear, onednn_linear_available
 
     torch.manual_seed(0)
     weight = torch.randn(576, 1536) / 1536**0.5

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.testing import build_tiny_llama
-from asyncgrpo.trainer.checkpoint import (
+from asyncgrpo.learning.trainer.checkpoint import (
     Checkpointer,
     TrainingState,
     copy_weights,
@@ -18,6 +17,7 @@ from asyncgrpo.trainer.checkpoint import (
     save_checkpoint,
     write_weights,
 )
+from asyncgrpo.testing import build_tiny_llama
 
 
 def make(seed=0):
@@ -136,7 +136,7 @@ def test_a_snapshot_that_cannot_be_written_is_logged_and_training_goes_on(
     file is left, and the next snapshot is written once there is room again."""
     from safetensors import SafetensorError
 
-    from asyncgrpo.trainer import checkpoint
+    from asyncgrpo.learning.trainer import checkpoint
 
     real_save = checkpoint.save_file
 
@@ -166,7 +166,7 @@ def test_a_checkpoint_that_cannot_be_written_leaves_the_previous_one_and_says_so
     failing the same way raises `CheckpointNotWritten` naming both."""
     from safetensors import SafetensorError
 
-    from asyncgrpo.trainer import checkpoint
+    from asyncgrpo.learning.trainer import checkpoint
 
     real_save = checkpoint.save_file
 

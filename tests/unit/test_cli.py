@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from asyncgrpo import cli
-from asyncgrpo.server.connections import FD_RESERVE, connection_cap
+from asyncgrpo.inference.server.connections import FD_RESERVE, connection_cap
 
 
 def test_missing_model_directory_is_one_clean_line(tmp_path, capsys):
@@ -40,7 +40,7 @@ def test_train_is_handed_to_the_run_module(capsys):
 def test_serve_raises_the_open_file_limit_and_caps_connections_below_it():
     script = (
         "import resource\n"
-        "from asyncgrpo.server.connections import raise_fd_limit\n"
+        "from asyncgrpo.inference.server.connections import raise_fd_limit\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 300), hard))\n"
         "print(*raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n"

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from asyncgrpo import cli
-from asyncgrpo.config import EmbeddedEngineConfig
+from asyncgrpo.base.config import EmbeddedEngineConfig
 
 
 def subparser(name: str) -> argparse.ArgumentParser:

@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from asyncgrpo.client import EngineClient, EngineRefused, EngineUnavailable, RetryPolicy
-from asyncgrpo.ports import free_port
+from asyncgrpo.base.ports import free_port
+from asyncgrpo.inference.client import EngineClient, EngineRefused, EngineUnavailable, RetryPolicy
 
 
 class StubHandler(BaseHTTPRequestHandler):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from asyncgrpo.config import ConfigError, VLLMEngineConfig, build_config, parse_engine_config
+from asyncgrpo.base.config import ConfigError, VLLMEngineConfig, build_config, parse_engine_config
 
 
 def test_the_default_is_local_and_the_section_takes_its_keys():
@@ -57,7 +57,7 @@ def test_an_empty_or_non_positive_bundle_is_refused(bundle):
 
 
 def test_without_ray_installed_the_error_says_how_to_install_it(monkeypatch):
-    from asyncgrpo.cluster import require_ray
+    from asyncgrpo.run.cluster import require_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ConfigError, match=r"pip install 'asyncgrpo\[ray\]'"):
@@ -65,7 +65,7 @@ def test_without_ray_installed_the_error_says_how_to_install_it(monkeypatch):
 
 
 def test_the_shortfall_names_each_resource_asked_beyond_the_cluster():
-    from asyncgrpo.cluster.placement import _shortfall
+    from asyncgrpo.run.cluster.placement import _shortfall
 
     bundles = [{"engine": 1.0}, {"engine": 1.0}, {"CPU": 1.0, "trainer": 1.0}]
     have = {"CPU": 2.0, "engine": 1.0}
@@ -86,7 +86,7 @@ def test_the_shortfall_names_each_resource_asked_beyond_the_cluster():
     ],
 )
 def test_the_weight_transport_follows_the_placement(engine_type, configured, same_node, expected):
-    from asyncgrpo.cluster.engines import transport_for
+    from asyncgrpo.run.cluster.engines import transport_for
 
     exposed = {"allow_unauthenticated_vllm": True} if engine_type == "vllm" else {}
     cfg = parse_engine_config(
@@ -96,7 +96,7 @@ def test_the_weight_transport_follows_the_placement(engine_type, configured, sam
 
 
 def test_vllm_on_another_node_without_a_transport_that_reaches_it_is_refused():
-    from asyncgrpo.cluster.engines import transport_for
+    from asyncgrpo.run.cluster.engines import transport_for
 
     cfg = VLLMEngineConfig(model="m", weight_transport="shm")
     with pytest.raises(ConfigError, match="nccl .GPUs. or disk"):
@@ -132,9 +132,9 @@ class FakeCluster:
 
 
 def test_wiring_hands_the_trainer_the_clusters_rank_spawner_and_the_drivers_address():
-    from asyncgrpo import wiring
-    from asyncgrpo.cluster.rank_actors import RankActor, RankHandle
-    from asyncgrpo.config import RunConfig
+    from asyncgrpo.base.config import RunConfig
+    from asyncgrpo.run import build as wiring
+    from asyncgrpo.run.cluster.rank_actors import RankActor, RankHandle
 
     cfg = build_config({}, ["trainer.num_processes=3", "cluster.launcher=ray"])
     assert wiring._trainer_ranks(cfg, None) == (None, "127.0.0.1")  # child processes here

@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncgrpo.trainer import distributed
-from asyncgrpo.trainer.data_parallel import Channel, DataParallelTrainer, serve
-from asyncgrpo.trainer.distributed import (
+from asyncgrpo.learning.trainer import distributed
+from asyncgrpo.learning.trainer.data_parallel import Channel, DataParallelTrainer, serve
+from asyncgrpo.learning.trainer.distributed import (
     World,
     all_reduce_gradients,
     broadcast_parameters,
     require_collective_thread,
 )
-from asyncgrpo.trainer.sharded import full, shard_trainer
+from asyncgrpo.learning.trainer.sharded import full, shard_trainer
 
 
 class Shard(torch.Tensor):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncgrpo.config import ConfigError, RunConfig, TrainerConfig
+from asyncgrpo.base.config import ConfigError, RunConfig, TrainerConfig
+from asyncgrpo.learning.trainer import compiled_layers
+from asyncgrpo.learning.trainer.build import load_policy, policy_trainer
 from asyncgrpo.testing import save_tiny_model_dir
-from asyncgrpo.trainer import compiled_layers
-from asyncgrpo.trainer.build import load_policy, policy_trainer
 from tests.unit.test_gradient_checkpointing import groups
 
 needs_compiler = pytest.mark.skipif(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.config import ConfigError, RunConfig, build_config, describe, load_config
+from asyncgrpo.base.config import ConfigError, RunConfig, build_config, describe, load_config
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -58,11 +58,11 @@ def test_validating_a_recipe_imports_neither_torch_nor_the_trainer():
     recipes = sorted(str(p) for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml"))
     script = f"""
 import sys
-from asyncgrpo.config import load_config
+from asyncgrpo.base.config import load_config
 for recipe in {recipes!r}:
     for loss in ("clipped", "cispo", "decoupled_ppo"):
         load_config(recipe, [f"loss.name={{loss}}"])
-heavy = ("torch", "transformers", "asyncgrpo.trainer")
+heavy = ("torch", "transformers", "asyncgrpo.learning.trainer")
 print(sorted(m for m in sys.modules if m.split(".")[0] in heavy or m.startswith(heavy)))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
@@ -74,7 +74,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in heavy or m.startswith(
 def test_auto_engine_dtype_follows_the_hardware(monkeypatch):
     import torch
 
-    from asyncgrpo import hardware
+    from asyncgrpo.base import hardware
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda: False)

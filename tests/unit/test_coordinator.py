@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from asyncgrpo.coordinator.buffer import BufferClosed, RolloutBuffer
-from asyncgrpo.coordinator.staleness import admission_budget, is_too_stale, may_admit
+from asyncgrpo.base.staleness import admission_budget, is_too_stale, may_admit
+from asyncgrpo.learning.coordinator.buffer import BufferClosed, RolloutBuffer
 
 
 @dataclass

@@ -7,10 +7,16 @@ import time
 import pytest
 import torch
 
-from asyncgrpo.config import EmbeddedEngineConfig, RunConfig
-from asyncgrpo.core_share import BUSY_FILE_ENV, BusyFlag, ThreadLender, Unshared, may_borrow
-from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.types import SamplingParams
+from asyncgrpo.base.config import EmbeddedEngineConfig, RunConfig
+from asyncgrpo.inference.core_share import (
+    BUSY_FILE_ENV,
+    BusyFlag,
+    ThreadLender,
+    Unshared,
+    may_borrow,
+)
+from asyncgrpo.inference.engine.engine import Engine
+from asyncgrpo.inference.engine.types import SamplingParams
 from asyncgrpo.testing import build_tiny_llama
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from asyncgrpo.rollout.data import DatasetError, load_prompts, render_prompt
+from asyncgrpo.learning.rollout.data import DatasetError, load_prompts, render_prompt
 from asyncgrpo.testing import build_tiny_tokenizer
 
 

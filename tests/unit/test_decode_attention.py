@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from asyncgrpo.engine import native_attention
-from asyncgrpo.engine.attention import KEY_BLOCK, decode_attention, decode_spans
+from asyncgrpo.inference.engine import native_attention
+from asyncgrpo.inference.engine.attention import KEY_BLOCK, decode_attention, decode_spans
 
 
 def reference(q, k_cache, v_cache, positions):

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.types import PauseMode, RequestError, SamplingParams
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.engine.engine import Engine
+from asyncgrpo.inference.engine.types import PauseMode, RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +237,7 @@ def test_abandoned_stream_frees_its_slot(engine):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lazy_zeros_are_zeros_of_the_asked_shape_and_writable(dtype):
-    from asyncgrpo.engine.runner import lazy_zeros
+    from asyncgrpo.inference.engine.runner import lazy_zeros
 
     t = lazy_zeros((3, 2, 5, 4), dtype)
     assert t.shape == (3, 2, 5, 4) and t.dtype == dtype and t.is_contiguous()
@@ -278,7 +278,7 @@ def test_poisoned_row_never_fails_the_rest_of_its_batch(unchecked):
 def test_a_request_whose_sampling_raises_fails_alone(engine, monkeypatch):
     """Whatever makes one request's rows raise mid-decode, in a batch shared with another
     request, only that request gets the error; the other's output is unchanged."""
-    from asyncgrpo.engine import scheduler
+    from asyncgrpo.inference.engine import scheduler
 
     real_sample = scheduler.sample
     seen = {"poisoned": 0, "mixed_batch_failures": 0}
@@ -332,7 +332,7 @@ def test_top_logprobs_with_top_p_are_valid_json(engine):
     """Masked alternatives are -inf in the engine; the OpenAI layer reports -9999.0 (vLLM)."""
     import json
 
-    from asyncgrpo.server import openai_format as fmt
+    from asyncgrpo.inference.server import openai_format as fmt
 
     prompt = prompt_ids(engine, "Hello, world!")
 

@@ -19,12 +19,12 @@ import threading
 import pytest
 import torch
 
-from asyncgrpo.coordinator.buffer import RolloutBuffer
-from asyncgrpo.engine_errors import EngineDied
-from asyncgrpo.evaluation import Evaluator
-from asyncgrpo.loop_thread import LoopThread
-from asyncgrpo.session import RunAborted
-from asyncgrpo.session.engine_link import EngineLink, WeightSnapshot
+from asyncgrpo.base.engine_errors import EngineDied
+from asyncgrpo.base.loop_thread import LoopThread
+from asyncgrpo.learning.coordinator.buffer import RolloutBuffer
+from asyncgrpo.run.evaluation import Evaluator
+from asyncgrpo.run.session import RunAborted
+from asyncgrpo.run.session.engine_link import EngineLink, WeightSnapshot
 
 
 class GatedEngine:

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from asyncgrpo import cli
-from asyncgrpo.config import (
+from asyncgrpo.base.config import (
     ENGINE_TYPES,
     ConfigError,
     EmbeddedEngineConfig,
@@ -84,7 +84,7 @@ def test_the_recipes_load_unchanged_and_switch_to_vllm_by_override(recipe, caplo
     for key, value in written.items():
         assert getattr(engine, key) == value, key
 
-    with caplog.at_level(logging.WARNING, logger="asyncgrpo.config.variants"):
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.base.config.variants"):
         switched = load_config(recipe, ["engine.type=vllm", "engine.vllm_python=/x/python"])
     assert isinstance(switched.engine, VLLMEngineConfig)
     assert switched.engine.vllm_python == "/x/python"

@@ -17,26 +17,26 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from asyncgrpo.agents.runner import (
+from asyncgrpo.base.episode import BranchSequence, StopReason
+from asyncgrpo.inference.client import EngineClient, EngineUnavailable
+from asyncgrpo.inference.engine.engine import Engine
+from asyncgrpo.inference.engine.types import RequestError, TokenDelta
+from asyncgrpo.inference.server import ServerSettings, create_app
+from asyncgrpo.inference.server.episodes import EpisodeRegistry, ReplayCache, body_digest
+from asyncgrpo.learning.agents.rollout_api import reward_scope
+from asyncgrpo.learning.agents.runner import (
     LLM,
     Result,
     RewardError,
     _unpack,
     classify,
     environment_rollout,
-    reward_scope,
     run_episode,
     run_subprocess_episode,
     tool_loop,
     training_row,
 )
-from asyncgrpo.agents.tools import ToolBox
-from asyncgrpo.agents.trajectory import BranchSequence, StopReason
-from asyncgrpo.client import EngineClient, EngineUnavailable
-from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.types import RequestError, TokenDelta
-from asyncgrpo.server import ServerSettings, create_app
-from asyncgrpo.server.episodes import EpisodeRegistry, ReplayCache, body_digest
+from asyncgrpo.learning.agents.tools import ToolBox
 from asyncgrpo.testing import build_tiny_tokenizer
 
 ADMIN = {"Authorization": "Bearer s3cret"}
@@ -380,7 +380,7 @@ class ServerThread:
     def __init__(self, app):
         import uvicorn
 
-        from asyncgrpo.ports import free_port
+        from asyncgrpo.base.ports import free_port
 
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")

@@ -6,8 +6,8 @@ import logging
 import pytest
 import torch
 
-from asyncgrpo.trainer import fused_head
-from asyncgrpo.trainer.logprobs import lm_head_token_logprobs
+from asyncgrpo.learning.trainer import fused_head
+from asyncgrpo.learning.trainer.logprobs import lm_head_token_logprobs
 
 
 @pytest.fixture

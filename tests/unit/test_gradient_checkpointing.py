@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from asyncgrpo.config import RunConfig
-from asyncgrpo.rollout.types import Group, Rollout
+from asyncgrpo.base.config import RunConfig
+from asyncgrpo.learning.rollout.types import Group, Rollout
+from asyncgrpo.learning.trainer.build import load_policy, policy_trainer
 from asyncgrpo.testing import save_tiny_model_dir
-from asyncgrpo.trainer.build import load_policy, policy_trainer
 
 
 def groups() -> list[Group]:

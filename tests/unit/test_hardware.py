@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncgrpo import hardware
-from asyncgrpo.config import TrainerConfig
-from asyncgrpo.ports import free_port
+from asyncgrpo.base import hardware
+from asyncgrpo.base.config import TrainerConfig
+from asyncgrpo.base.ports import free_port
 
 # a 64 MB tensor allocated, written and freed, round after round: each round's page faults
 ROUNDS_OF_FAULTS = """
 import json, resource, sys, torch
-from asyncgrpo.hardware import keep_freed_memory
+from asyncgrpo.base.hardware import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 faults = []
@@ -53,7 +53,7 @@ def test_freed_block_is_reused_without_page_faults():
 # the process's huge pages before and after a 64 MB tensor is written, in kB
 HUGE_PAGES = """
 import json, os, sys, torch
-from asyncgrpo.hardware import huge_pages_for_large_tensors
+from asyncgrpo.base.hardware import huge_pages_for_large_tensors
 if sys.argv[1] == "late":
     torch.ones(8)
 applied = huge_pages_for_large_tensors()
@@ -122,7 +122,7 @@ def test_the_timed_matmul_is_cached_for_the_process(monkeypatch):
 
 RANKS_AGREE = """
 import os, sys, torch.distributed as dist
-from asyncgrpo.trainer.distributed import broadcast_flag
+from asyncgrpo.learning.trainer.distributed import broadcast_flag
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", rank=rank, world_size=2, init_method="tcp://127.0.0.1:" + sys.argv[2])
 print(broadcast_flag(rank == 1))  # rank 0 says False, rank 1 True

@@ -3,8 +3,8 @@ checkpoint's record restores the same totals (the older two-counter format inclu
 
 from __future__ import annotations
 
-from asyncgrpo.coordinator.buffer import RolloutBuffer
-from asyncgrpo.coordinator.ledger import GroupLedger
+from asyncgrpo.learning.coordinator.buffer import RolloutBuffer
+from asyncgrpo.learning.coordinator.ledger import GroupLedger
 
 
 class G:

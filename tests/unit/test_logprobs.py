@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from asyncgrpo.trainer import logprobs as logprobs_module
-from asyncgrpo.trainer.logprobs import (
+from asyncgrpo.learning.trainer import logprobs as logprobs_module
+from asyncgrpo.learning.trainer.logprobs import (
     entropy_from_logits,
     lm_head_token_logprobs,
     selective_log_softmax,
@@ -232,7 +232,7 @@ def test_top_p_fused_head_matches_plain_loop_values_and_gradients(
 
 @pytest.mark.parametrize("first_k", [64, 1024])
 def test_top_p_logprobs_equal_the_engine_samplers_processed_logprobs(first_k, monkeypatch):
-    from asyncgrpo.engine.sampling import RowParams, sample
+    from asyncgrpo.inference.engine.sampling import RowParams, sample
 
     monkeypatch.setattr(logprobs_module, "NUCLEUS_FIRST_K", first_k)
     torch.manual_seed(6)

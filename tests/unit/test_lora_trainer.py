@@ -12,10 +12,15 @@ import sys
 import pytest
 import torch
 
-from asyncgrpo.config import AdvantageConfig, ConfigError, LoraConfig, LossConfig, TrainerConfig
-from asyncgrpo.rollout.types import Group, Rollout
-from asyncgrpo.testing import build_tiny_llama
-from asyncgrpo.trainer.lora import (
+from asyncgrpo.base.config import (
+    AdvantageConfig,
+    ConfigError,
+    LoraConfig,
+    LossConfig,
+    TrainerConfig,
+)
+from asyncgrpo.learning.rollout.types import Group, Rollout
+from asyncgrpo.learning.trainer.lora import (
     adapter_nbytes,
     adapter_weights,
     apply_lora,
@@ -23,6 +28,7 @@ from asyncgrpo.trainer.lora import (
     is_lora,
     published_weights,
 )
+from asyncgrpo.testing import build_tiny_llama
 
 pytest.importorskip("peft")
 
@@ -150,7 +156,7 @@ def groups_by_hand() -> list[Group]:
 
 
 def test_trainer_step_changes_only_the_adapter():
-    from asyncgrpo.trainer.policy_trainer import PolicyTrainer
+    from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer
 
     model = lora_model(randomize_b=False)  # as training starts: B = 0
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -15,8 +15,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from asyncgrpo.config.training import LOSS_NAMES
-from asyncgrpo.trainer.losses import LOSSES, LossConfig, LossInputs, compute_loss
+from asyncgrpo.base.config.training import LOSS_NAMES
+from asyncgrpo.learning.trainer.losses import LOSSES, LossConfig, LossInputs, compute_loss
 
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]
 CORRECTIONS = ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.metrics import (
+from asyncgrpo.learning.metrics import (
     Interval,
     MetricsTracker,
     ProgressDisplay,
@@ -241,7 +241,7 @@ def test_engine_busy_is_unknown_not_zero_when_the_engine_does_not_report_it(repo
     import asyncio
     from types import SimpleNamespace
 
-    from asyncgrpo.session.engine_link import record_engine_busy
+    from asyncgrpo.run.session.engine_link import record_engine_busy
 
     clock = FakeClock()
     tracker = SimpleNamespace(timeline=Timeline(clock), elapsed=clock)

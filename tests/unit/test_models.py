@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from asyncgrpo import models
-from asyncgrpo.models import ModelNotFoundError, resolve_model
+from asyncgrpo.base import models
+from asyncgrpo.base.models import ModelNotFoundError, resolve_model
 
 
 def test_local_directory_is_returned_as_is(tmp_path):

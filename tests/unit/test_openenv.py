@@ -21,15 +21,15 @@ from types import SimpleNamespace
 import pytest
 from test_episode_gateway import ScriptedEngine, ServerThread, make_app, tokenizer_eos
 
-from asyncgrpo.agents.rollout_api import EnvironmentFailure
-from asyncgrpo.agents.runner import run_episode
-from asyncgrpo.agents.trajectory import StopReason
-from asyncgrpo.client import EngineClient
-from asyncgrpo.config import ConfigError
-from asyncgrpo.config.environments import OpenEnvConfig
-from asyncgrpo.environments import openenv as adapter
-from asyncgrpo.environments.openenv_server import ServedApp
-from asyncgrpo.rollout.episodes import EpisodeGroupBuilder, EpisodeSettings
+from asyncgrpo.base.config import ConfigError
+from asyncgrpo.base.config.environments import OpenEnvConfig
+from asyncgrpo.base.episode import StopReason
+from asyncgrpo.inference.client import EngineClient
+from asyncgrpo.learning.agents.rollout_api import EnvironmentFailure
+from asyncgrpo.learning.agents.runner import run_episode
+from asyncgrpo.learning.environments import openenv as adapter
+from asyncgrpo.learning.environments.openenv_server import ServedApp
+from asyncgrpo.learning.rollout.episodes import EpisodeGroupBuilder, EpisodeSettings
 from asyncgrpo.testing import build_tiny_tokenizer
 
 SEED = 5

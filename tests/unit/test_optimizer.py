@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from asyncgrpo.trainer.optimizer import clipped_step, make_adamw
+from asyncgrpo.learning.trainer.optimizer import clipped_step, make_adamw
 
 
 def test_adamw_matches_the_decoupled_weight_decay_update_written_out():

@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from asyncgrpo.coordinator.buffer import RolloutBuffer
-from asyncgrpo.evaluation import Evaluator
-from asyncgrpo.loop_thread import LoopThread
-from asyncgrpo.metrics import MetricsTracker, ProgressDisplay, iter_jsonl, read_metrics
-from asyncgrpo.metrics.rows import StepRows
-from asyncgrpo.rollout.types import Group, Rollout
+from asyncgrpo.base.loop_thread import LoopThread
+from asyncgrpo.learning.coordinator.buffer import RolloutBuffer
+from asyncgrpo.learning.metrics import MetricsTracker, ProgressDisplay, iter_jsonl, read_metrics
+from asyncgrpo.learning.metrics.rows import StepRows
+from asyncgrpo.learning.rollout.types import Group, Rollout
+from asyncgrpo.run.evaluation import Evaluator
 
 
 class TwoRewardBuilder:
@@ -125,7 +125,7 @@ def test_a_resumed_run_does_not_evaluate_its_checkpoint_step_again(tmp_path):
 
 def test_staleness_plot_counts_the_drops_accounting_counts(tmp_path):
     pytest.importorskip("matplotlib")
-    from asyncgrpo.metrics.plots import plot_run, staleness_figure
+    from asyncgrpo.learning.metrics.plots import plot_run, staleness_figure
 
     with MetricsTracker(tmp_path) as tracker:
         for step, dropped in ((1, 0), (2, 2), (3, 2), (4, 3)):  # run totals, not per step
@@ -147,7 +147,7 @@ def _legend(ax) -> list[str]:
 
 def test_pipeline_plot_labels_every_axis_and_separates_staleness_from_the_queue():
     pytest.importorskip("matplotlib")
-    from asyncgrpo.metrics.plots import pipeline_figure
+    from asyncgrpo.learning.metrics.plots import pipeline_figure
 
     train = [
         {
@@ -181,7 +181,7 @@ def test_pipeline_plot_labels_every_axis_and_separates_staleness_from_the_queue(
 
 def test_reward_plot_says_held_out_is_greedy_and_train_is_sampled():
     pytest.importorskip("matplotlib")
-    from asyncgrpo.metrics.plots import reward_figure
+    from asyncgrpo.learning.metrics.plots import reward_figure
 
     train = [
         {"step": s, "time_s": 2.0 * s, "reward_mean": 0.1 * s, "reward_std": 0.1} for s in (1, 2)

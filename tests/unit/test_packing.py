@@ -6,8 +6,7 @@ import random
 import pytest
 import torch
 
-from asyncgrpo.testing import build_tiny_llama
-from asyncgrpo.trainer.packing import (
+from asyncgrpo.learning.trainer.packing import (
     embedded,
     enable_packed_attention,
     pack_sequences,
@@ -15,7 +14,8 @@ from asyncgrpo.trainer.packing import (
     pad_ragged,
     plan_micro_batches,
 )
-from asyncgrpo.trainer.prompt_tree import MIN_SAVED_ROWS
+from asyncgrpo.learning.trainer.prompt_tree import MIN_SAVED_ROWS
+from asyncgrpo.testing import build_tiny_llama
 
 VOCAB = 300
 TEMPERATURE = 0.7
@@ -296,7 +296,7 @@ def test_packed_forward_under_bf16_autocast_stays_close_to_fp32(models):
 
 
 def test_auto_attention_is_segments_on_a_cpu_and_varlen_only_where_its_kernel_runs():
-    from asyncgrpo.config import TrainerConfig
+    from asyncgrpo.base.config import TrainerConfig
 
     on = TrainerConfig(bf16_autocast=True)
     off = TrainerConfig(bf16_autocast=False)
@@ -310,7 +310,7 @@ def test_auto_attention_is_segments_on_a_cpu_and_varlen_only_where_its_kernel_ru
 def test_cpu_segment_attention_stays_float32_under_bf16_autocast():
     """CPU autocast would round sdpa's inputs to bf16 (and its backward ran ~3x slower);
     the segments must attend in float32: float32 error against a float64 reference."""
-    from asyncgrpo.trainer.packing import packed_attention_forward
+    from asyncgrpo.learning.trainer.packing import packed_attention_forward
 
     seqs, prompts = grpo_like_batch()
     packed = pack_sequences(seqs, prompts)
@@ -330,7 +330,7 @@ def test_cpu_segment_attention_stays_float32_under_bf16_autocast():
 def test_merged_completions_attend_as_the_unmerged_ones():
     """Completions behind one prompt join into one call while they fit `max_rows`; each
     row still sees the whole prompt and only its own completion, causally."""
-    from asyncgrpo.trainer.segments import attend_segments, merge_completions
+    from asyncgrpo.learning.trainer.segments import attend_segments, merge_completions
 
     seqs, prompts = grpo_like_batch()
     packed = pack_sequences(seqs, prompts)
@@ -370,7 +370,7 @@ def test_merged_completions_attend_as_the_unmerged_ones():
 def test_merging_leaves_alone_the_segments_other_segments_continue():
     """In a prompt tree a segment can be both behind a prefix and the prefix of others;
     merged, the tree's attention is unchanged."""
-    from asyncgrpo.trainer.segments import attend_segments, merge_completions
+    from asyncgrpo.learning.trainer.segments import attend_segments, merge_completions
 
     seqs, prompts = prompt_tree_batch()
     packed = pack_sequences(seqs, prompts)

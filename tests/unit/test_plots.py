@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from asyncgrpo.metrics import MetricsTracker, count_values  # noqa: E402
-from asyncgrpo.metrics.compare import plot_compare, plot_main  # noqa: E402
-from asyncgrpo.metrics.plots import plot_run  # noqa: E402
+from asyncgrpo.learning.metrics import MetricsTracker, count_values  # noqa: E402
+from asyncgrpo.learning.metrics.compare import plot_compare, plot_main  # noqa: E402
+from asyncgrpo.learning.metrics.plots import plot_run  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

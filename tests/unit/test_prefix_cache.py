@@ -5,11 +5,11 @@ import asyncio
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.prefix_cache import BLOCK, PrefixCache
-from asyncgrpo.engine.runner import ModelRunner
-from asyncgrpo.engine.types import SamplingParams
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.engine.engine import Engine
+from asyncgrpo.inference.engine.prefix_cache import BLOCK, PrefixCache
+from asyncgrpo.inference.engine.runner import ModelRunner
+from asyncgrpo.inference.engine.types import SamplingParams
 
 
 def reference_logprobs(model, prompt, completion):

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from asyncgrpo.engine import prompt_logprobs
-from asyncgrpo.engine.prompt_logprobs import PromptScores
+from asyncgrpo.inference.engine import prompt_logprobs
+from asyncgrpo.inference.engine.prompt_logprobs import PromptScores
 
 VOCAB, HIDDEN = 11, 6
 

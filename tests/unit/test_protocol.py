@@ -3,14 +3,18 @@ settings and values, the bounds that keep one request from hurting the others.""
 
 import pytest
 
-from asyncgrpo.engine.types import RequestError, SamplingParams
-from asyncgrpo.server.prompts import (
+from asyncgrpo.inference.engine.types import RequestError, SamplingParams
+from asyncgrpo.inference.server.prompts import (
     check_text_fits,
     longest_token_chars,
     render_chat,
     tokenize_prompts,
 )
-from asyncgrpo.server.protocol import ChatCompletionRequest, CompletionRequest, RequestLimits
+from asyncgrpo.inference.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestLimits,
+)
 from asyncgrpo.testing import build_tiny_tokenizer
 
 TOOL_TEMPLATE = (

@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig, load_config
-from asyncgrpo.rollout.types import Group, Rollout
+from asyncgrpo.base.config import AdvantageConfig, LossConfig, TrainerConfig, load_config
+from asyncgrpo.learning.rollout.types import Group, Rollout
+from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer
+from asyncgrpo.learning.trainer.reference import make_reference
 from asyncgrpo.testing import build_tiny_llama
-from asyncgrpo.trainer.policy_trainer import PolicyTrainer
-from asyncgrpo.trainer.reference import make_reference
 
 VOCAB, SEED, TEMPERATURE = 64, 3, 0.7
 
@@ -219,7 +219,7 @@ def test_lora_reference_is_the_base_model_and_shares_its_weights():
     assert {p.data_ptr() for p in reference.model.parameters()} <= tensors_before
     assert len(list(model.parameters())) == count_before
 
-    from asyncgrpo.trainer.packing import enable_packed_attention
+    from asyncgrpo.learning.trainer.packing import enable_packed_attention
 
     enable_packed_attention(reference.model)
     rollouts = all_rollouts(batch((0.0, 0.0, 0.0, 0.0)))

@@ -16,11 +16,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from asyncgrpo import cli
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.types import RequestError, SamplingParams
-from asyncgrpo.ports import free_port
-from asyncgrpo.server import ServerSettings, create_app
-from asyncgrpo.vllm.remote_engine import RemoteEngine, ranked, token_delta
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.base.ports import free_port
+from asyncgrpo.inference.engine.types import RequestError, SamplingParams
+from asyncgrpo.inference.server import ServerSettings, create_app
+from asyncgrpo.inference.vllm.remote_engine import RemoteEngine, ranked, token_delta
 
 UPSTREAM = "http://vllm.test:8000"
 ADMIN = {"Authorization": "Bearer s3cret"}

@@ -15,9 +15,9 @@ import asyncio
 
 import pytest
 
-from asyncgrpo.backend.replicas import ReplicaBackend
-from asyncgrpo.client.router import RoutedClient
-from asyncgrpo.engine_errors import EngineDied, EngineRefused
+from asyncgrpo.base.engine_errors import EngineDied, EngineRefused
+from asyncgrpo.inference.backend.replicas import ReplicaBackend
+from asyncgrpo.inference.client.router import RoutedClient
 
 
 class FakeClient:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.rollout.rewards import (
+from asyncgrpo.learning.rollout.rewards import (
     RewardFunctionError,
     RewardRunner,
     RewardSpecError,
@@ -195,7 +195,7 @@ def test_process_workers_refuse_functions_they_could_not_import(monkeypatch):
 EXIT_SCRIPT = """
 import asyncio, sys
 sys.path.insert(0, {module_dir!r})
-from asyncgrpo.rollout.rewards import RewardRunner
+from asyncgrpo.learning.rollout.rewards import RewardRunner
 import stuck_rewards
 
 async def main():

@@ -6,13 +6,13 @@ import threading
 import numpy as np
 import pytest
 
-from asyncgrpo.rollout.rewards import (
+from asyncgrpo.learning.rollout.rewards import (
     RewardFailure,
     RewardFunctionError,
     RewardRunner,
     RewardSpecError,
 )
-from asyncgrpo.tasks.arithmetic import arithmetic_reward
+from asyncgrpo.learning.tasks.arithmetic import arithmetic_reward
 
 CHAT_ROW = {"prompt": [{"role": "user", "content": "What is 3 + 4?"}], "answer": "7", "level": 2}
 TEXTS = ["7", "3 + 4 = 7", "8"]

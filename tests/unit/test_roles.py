@@ -33,24 +33,24 @@ from typing import Any
 import pytest
 import torch
 
-from asyncgrpo.backend.base import EngineBackend
-from asyncgrpo.client.engine_client import Completion, Continuation
-from asyncgrpo.config import AdvantageConfig, RunConfig, build_config
-from asyncgrpo.coordinator.buffer import RolloutBuffer
-from asyncgrpo.metrics.tracker import MetricsTracker, read_metrics
-from asyncgrpo.rollout.advantages import is_zero_variance
-from asyncgrpo.rollout.builder import GroupBuilder, GroupDropped
-from asyncgrpo.rollout.orchestrator import Orchestrator
-from asyncgrpo.rollout.prompts import PromptStream
-from asyncgrpo.rollout.rewards import RewardFailure, RewardRunner, RewardTimeout
-from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
-from asyncgrpo.rollout.types import Group, Rollout
-from asyncgrpo.run import run_to_end
-from asyncgrpo.run_context import RunContext, assemble_run
-from asyncgrpo.session import RunAborted
-from asyncgrpo.trainer.base import Trainer
-from asyncgrpo.trainer.checkpoint import Checkpointer, TrainingState, latest_checkpoint
-from asyncgrpo.watchdog import Watchdog
+from asyncgrpo.base.config import AdvantageConfig, RunConfig, build_config
+from asyncgrpo.inference.backend.base import EngineBackend
+from asyncgrpo.inference.client.engine_client import Completion, Continuation
+from asyncgrpo.learning.coordinator.buffer import RolloutBuffer
+from asyncgrpo.learning.metrics.tracker import MetricsTracker, read_metrics
+from asyncgrpo.learning.rollout.advantages import is_zero_variance
+from asyncgrpo.learning.rollout.builder import GroupBuilder, GroupDropped
+from asyncgrpo.learning.rollout.orchestrator import Orchestrator
+from asyncgrpo.learning.rollout.prompts import PromptStream
+from asyncgrpo.learning.rollout.rewards import RewardFailure, RewardRunner, RewardTimeout
+from asyncgrpo.learning.rollout.single_turn import SamplingSettings, SingleTurnBuilder
+from asyncgrpo.learning.rollout.types import Group, Rollout
+from asyncgrpo.learning.trainer.base import Trainer
+from asyncgrpo.learning.trainer.checkpoint import Checkpointer, TrainingState, latest_checkpoint
+from asyncgrpo.run.context import RunContext, assemble_run
+from asyncgrpo.run.loop import run_to_end
+from asyncgrpo.run.session import RunAborted
+from asyncgrpo.run.watchdog import Watchdog
 
 # ---- fakes -----------------------------------------------------------------------------
 
@@ -609,7 +609,7 @@ def test_a_group_without_any_reward_is_dropped_as_no_reward_not_zero_variance(ca
         orch = Orchestrator(builder, buffer, prompts, filter_zero_variance=True)
         assert_dropped(orch, await produce_one(orch), "no_reward")
 
-    with caplog.at_level(logging.ERROR, logger="asyncgrpo.rollout.orchestrator"):
+    with caplog.at_level(logging.ERROR, logger="asyncgrpo.learning.rollout.orchestrator"):
         asyncio.run(scenario())
     assert "None or NaN for 3 of 3 completions" in caplog.text
     assert "None/NaN for all: nan_reward" in caplog.text
@@ -731,13 +731,13 @@ def test_watchdog_names_what_a_stalled_run_waits_for(tmp_path, caplog, stall):
     cfg.rollout.request_timeout_s = 4
     engine = StalledEngine() if stall == "engine" else FakeEngine()
     r = assemble(cfg, [{"prompt": "p"}], engine=engine, builder=Builder, rewards=rewards)
-    with caplog.at_level(logging.WARNING, logger="asyncgrpo.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.run.watchdog"):
         try:
             with pytest.raises(RunAborted) as aborted:
                 train_like_run_train(r)
         finally:
             release.set()
-    lines = [rec.getMessage() for rec in caplog.records if rec.name == "asyncgrpo.watchdog"]
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "asyncgrpo.run.watchdog"]
     assert len(lines) >= 2, "the watchdog did not repeat while the run stalled"
     assert all(line.startswith("nothing has progressed for") for line in lines)
     assert "trainer: waiting for a batch" in lines[-1]

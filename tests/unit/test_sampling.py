@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from asyncgrpo.engine.sampling import RowParams, sample
+from asyncgrpo.inference.engine.sampling import RowParams, sample
 
 
 def processed_distribution(logits, temperature, top_k, top_p):

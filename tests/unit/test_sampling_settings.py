@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from asyncgrpo.client.engine_client import Completion, Continuation
-from asyncgrpo.config import SamplingSettings, build_config
-from asyncgrpo.wiring import _builder
+from asyncgrpo.base.config import SamplingSettings, build_config
+from asyncgrpo.inference.client.engine_client import Completion, Continuation
+from asyncgrpo.run.build import _builder
 
 
 def test_the_recipe_builds_the_settings_once_by_name():

@@ -8,12 +8,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.engine.engine import Engine
-from asyncgrpo.engine.types import TokenDelta
-from asyncgrpo.server import ServerSettings, create_app
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.engine.engine import Engine
+from asyncgrpo.inference.engine.types import TokenDelta
+from asyncgrpo.inference.server import ServerSettings, create_app
+from asyncgrpo.inference.transport.layout import plan_layout, write_image
 from asyncgrpo.testing import build_tiny_tokenizer
-from asyncgrpo.transport.layout import plan_layout, write_image
 
 
 class FakeEngine:

@@ -12,10 +12,10 @@ import math
 import numpy as np
 import pytest
 
-from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
-from asyncgrpo.rollout.types import Group, Rollout
+from asyncgrpo.base.config import AdvantageConfig, LossConfig, TrainerConfig
+from asyncgrpo.learning.rollout.types import Group, Rollout
+from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer, batch_metrics
 from asyncgrpo.testing import build_tiny_llama
-from asyncgrpo.trainer.policy_trainer import PolicyTrainer, batch_metrics
 
 
 def split_batch() -> list[Rollout]:

@@ -5,19 +5,19 @@ from pathlib import Path
 
 import pytest
 
-from asyncgrpo.config import load_config
-from asyncgrpo.environments import episode_source
-from asyncgrpo.rollout.data import load_prompts
-from asyncgrpo.rollout.episodes import import_dotted
-from asyncgrpo.rollout.rewards import RewardRunner
-from asyncgrpo.tasks import REWARDS, TASKS, get_reward, make_rows
-from asyncgrpo.tasks.arithmetic import (
+from asyncgrpo.base.config import load_config
+from asyncgrpo.learning.environments import episode_source
+from asyncgrpo.learning.rollout.data import load_prompts
+from asyncgrpo.learning.rollout.episodes import import_dotted
+from asyncgrpo.learning.rollout.rewards import RewardRunner
+from asyncgrpo.learning.tasks import REWARDS, TASKS, get_reward, make_rows
+from asyncgrpo.learning.tasks.arithmetic import (
     arithmetic_reward,
     number_only_reward,
     short_arithmetic_reward,
 )
-from asyncgrpo.tasks.repeat import repeat_word_reward
-from asyncgrpo.tasks.word_count import word_count_reward
+from asyncgrpo.learning.tasks.repeat import repeat_word_reward
+from asyncgrpo.learning.tasks.word_count import word_count_reward
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from asyncgrpo.server.generation import TextAssembler
+from asyncgrpo.inference.server.generation import TextAssembler
 from asyncgrpo.testing import build_tiny_tokenizer
 
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from asyncgrpo.config import TrainerConfig
+from asyncgrpo.base.config import TrainerConfig
+from asyncgrpo.learning.trainer.datums import AdamParams
 from asyncgrpo.testing import build_tiny_llama
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.lora_state import adapter_factors
 from asyncgrpo.tinker.training import LORA_ALPHA, LoraModels, train_datum
 from asyncgrpo.tinker.wire import TinkerDatum
-from asyncgrpo.trainer.datums import AdamParams
 
 VOCAB = 48
 ADAM = AdamParams(learning_rate=1e-2)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from asyncgrpo.agents.toolcalls import (
+from asyncgrpo.inference.server.toolcalls import (
     ToolCall,
     get_parser,
     inject_tools_fallback,

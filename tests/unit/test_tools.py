@@ -9,8 +9,8 @@ from typing import Literal, Optional
 
 import pytest
 
-from asyncgrpo.agents.toolcalls import ToolCall
-from asyncgrpo.agents.tools import ToolBox, tool_schema
+from asyncgrpo.inference.server.toolcalls import ToolCall
+from asyncgrpo.learning.agents.tools import ToolBox, tool_schema
 
 
 def search(

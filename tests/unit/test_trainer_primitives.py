@@ -13,11 +13,11 @@ import dataclasses
 import pytest
 import torch
 
-from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
+from asyncgrpo.base.config import AdvantageConfig, LossConfig, TrainerConfig
+from asyncgrpo.learning.trainer.datums import AdamParams, MicroBatch, TrainDatum
+from asyncgrpo.learning.trainer.packing import packed_token_logprobs
+from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer
 from asyncgrpo.testing import build_tiny_llama
-from asyncgrpo.trainer.datums import AdamParams, MicroBatch, TrainDatum
-from asyncgrpo.trainer.packing import packed_token_logprobs
-from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
 VOCAB = 64
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncgrpo.rollout.types import Group, Rollout
+from asyncgrpo.learning.rollout.types import Group, Rollout
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

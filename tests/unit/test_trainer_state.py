@@ -16,7 +16,7 @@ import threading
 import pytest
 from test_roles import FakeBuilder, assemble, run_config, train_like_run_train
 
-from asyncgrpo.rollout.rewards import RewardRunner, TrainerState, takes_trainer_state
+from asyncgrpo.learning.rollout.rewards import RewardRunner, TrainerState, takes_trainer_state
 
 
 def explicit_state_reward(prompts, completions, completion_ids, trainer_state):

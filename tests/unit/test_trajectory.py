@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncgrpo.agents.toolcalls import ToolCall
-from asyncgrpo.agents.trajectory import (
+from asyncgrpo.inference.server.toolcalls import ToolCall
+from asyncgrpo.inference.server.trajectory import (
     Call,
     ChatRenderer,
     EpisodeResult,
@@ -380,9 +380,9 @@ def test_engine_episode_log_probs_reproduce_on_the_training_sequence(tiny_model_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from asyncgrpo.config import EmbeddedEngineConfig
-    from asyncgrpo.engine.engine import Engine
-    from asyncgrpo.engine.types import SamplingParams
+    from asyncgrpo.base.config import EmbeddedEngineConfig
+    from asyncgrpo.inference.engine.engine import Engine
+    from asyncgrpo.inference.engine.types import SamplingParams
 
     engine = Engine(
         EmbeddedEngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_seqs=4)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from asyncgrpo.engine.types import RequestError
-from asyncgrpo.server.weights import WeightReceiver
-from asyncgrpo.transport import make_transport
-from asyncgrpo.transport.disk import WEIGHTS_FILE, write_safetensors_file
-from asyncgrpo.transport.http import split_by_size
-from asyncgrpo.transport.layout import (
+from asyncgrpo.inference.engine.types import RequestError
+from asyncgrpo.inference.server.weights import WeightReceiver
+from asyncgrpo.inference.transport import make_transport
+from asyncgrpo.inference.transport.disk import WEIGHTS_FILE, write_safetensors_file
+from asyncgrpo.inference.transport.http import split_by_size
+from asyncgrpo.inference.transport.layout import (
     LayoutError,
     plan_layout,
     read_safetensors_slots,
@@ -239,7 +239,7 @@ def test_a_new_segment_removes_those_of_dead_creators_only(tmp_path):
     import subprocess
     import sys
 
-    from asyncgrpo.transport.shm import SEGMENT_PREFIX, SharedSegment
+    from asyncgrpo.inference.transport.shm import SEGMENT_PREFIX, SharedSegment
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],

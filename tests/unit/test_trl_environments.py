@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import pytest
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from asyncgrpo.agents.rollout_api import EnvironmentFailure
-from asyncgrpo.agents.runner import EpisodeOutcome
-from asyncgrpo.agents.tools import ToolBox
-from asyncgrpo.agents.trajectory import BranchSequence, StopReason
-from asyncgrpo.config import ConfigError
-from asyncgrpo.environments.trl import TrlRollout, trl_source, with_observation
-from asyncgrpo.environments.trl_classes import read_environment, read_environments
-from asyncgrpo.rollout.rewards import RewardRunner
+from asyncgrpo.base.config import ConfigError
+from asyncgrpo.base.episode import BranchSequence, StopReason
+from asyncgrpo.learning.agents.rollout_api import EnvironmentFailure
+from asyncgrpo.learning.agents.runner import EpisodeOutcome
+from asyncgrpo.learning.agents.tools import ToolBox
+from asyncgrpo.learning.environments.trl import TrlRollout, trl_source, with_observation
+from asyncgrpo.learning.environments.trl_classes import read_environment, read_environments
+from asyncgrpo.learning.rollout.rewards import RewardRunner
 
 
 class Shop:
@@ -334,7 +334,7 @@ def test_tools_alone_need_reward_funcs_and_environment_instances_refuse_process_
 
 
 def test_a_recipe_names_the_class_by_its_dotted_path():
-    from asyncgrpo.environments import episode_source
+    from asyncgrpo.learning.environments import episode_source
 
     cfg = AsyncGRPOConfig(**{"agent.environment": "test_trl_environments:Shop"})
     source = episode_source(cfg, reward_funcs=None)

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from asyncgrpo import AsyncGRPOConfig
-from asyncgrpo.config import ConfigError, build_config, load_config, trl_names
+from asyncgrpo.base.config import ConfigError, build_config, load_config, trl_names
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +85,7 @@ def test_each_trl_name_lands_on_its_field(trl, path, expected):
 
 
 def test_notes_where_the_meaning_differs_are_logged_once(caplog):
-    caplog.set_level(logging.WARNING, logger="asyncgrpo.config.trl_names")
+    caplog.set_level(logging.WARNING, logger="asyncgrpo.base.config.trl_names")
     for _ in range(2):
         AsyncGRPOConfig(per_device_train_batch_size=16, warmup_ratio=0.1, logging_steps=5)
     notes = [r.getMessage() for r in caplog.records]
@@ -179,12 +179,14 @@ def test_epsilon_is_trls_clip_not_the_advantage_epsilon():
 def test_resume_from_checkpoint_takes_trls_forms(tmp_path, monkeypatch):
     """True: this config's run; a run directory; its newest checkpoint; an older one is
     refused naming the newest (a run resumes from its newest checkpoint only)."""
-    import asyncgrpo.run
+    import asyncgrpo.run.loop
     from asyncgrpo import AsyncGRPOTrainer
-    from asyncgrpo.config import ConfigError
+    from asyncgrpo.base.config import ConfigError
 
     resumed = []
-    monkeypatch.setattr(asyncgrpo.run, "train", lambda cfg, resume, **kw: resumed.append(resume))
+    monkeypatch.setattr(
+        asyncgrpo.run.loop, "train", lambda cfg, resume, **kw: resumed.append(resume)
+    )
     run = tmp_path / "mine"
     for step in ("step-000002", "step-000004"):
         (run / "checkpoints" / step).mkdir(parents=True)

@@ -11,13 +11,13 @@ import logging
 import pytest
 import torch
 
-from asyncgrpo.client.engine_client import Completion, Continuation
-from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig, build_config
-from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
-from asyncgrpo.rollout.types import Group, Rollout
+from asyncgrpo.base.config import AdvantageConfig, LossConfig, TrainerConfig, build_config
+from asyncgrpo.inference.client.engine_client import Completion, Continuation
+from asyncgrpo.learning.rollout.single_turn import SamplingSettings, SingleTurnBuilder
+from asyncgrpo.learning.rollout.types import Group, Rollout
+from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer
+from asyncgrpo.run.build import _builder
 from asyncgrpo.testing import build_tiny_llama
-from asyncgrpo.trainer.policy_trainer import PolicyTrainer
-from asyncgrpo.wiring import _builder
 
 # ---- mask_truncated_completions ------------------------------------------------------
 
@@ -154,6 +154,6 @@ def test_max_prompt_length_reaches_the_builder_by_its_trl_name(caplog):
     async def episode(task, llm):
         return 0.0
 
-    with caplog.at_level(logging.WARNING, logger="asyncgrpo.wiring"):
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.run.build"):
         _builder(cfg, RecordingClient(), CharTokenizer(), IndexRewards(), episode)
     assert "agent episodes ignore it" in caplog.text  # ignored there, and said so

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncgrpo.trainer import varlen
-from asyncgrpo.trainer.packing import pack_sequences, packed_attention_forward
+from asyncgrpo.learning.trainer import varlen
+from asyncgrpo.learning.trainer.packing import pack_sequences, packed_attention_forward
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 

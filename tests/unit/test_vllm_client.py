@@ -11,12 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from asyncgrpo.client import EngineProtocolError
-from asyncgrpo.client.retry import RetryPolicy
-from asyncgrpo.config import VLLMEngineConfig
-from asyncgrpo.engine_errors import EngineUnavailable
-from asyncgrpo.vllm.client import GENERATE_PATH, VLLMClient, expand_spans, parse_version
-from asyncgrpo.vllm.launcher import PLUGIN_DIR, VLLMServer, VLLMServerError
+from asyncgrpo.base.config import VLLMEngineConfig
+from asyncgrpo.base.engine_errors import EngineUnavailable
+from asyncgrpo.inference.client import EngineProtocolError
+from asyncgrpo.inference.client.retry import RetryPolicy
+from asyncgrpo.inference.vllm.client import GENERATE_PATH, VLLMClient, expand_spans, parse_version
+from asyncgrpo.inference.vllm.launcher import PLUGIN_DIR, VLLMServer, VLLMServerError
 
 
 def choice(token_ids, spans, index=0, finish="length", logprob_ids=None):
@@ -324,11 +324,11 @@ EXPOSED = "vLLM's pause and weight-update routes have no authentication"
 
 def test_a_launched_server_on_a_non_loopback_host_is_warned_about(tmp_path, caplog):
     cfg = VLLMEngineConfig(model=str(tmp_path), vllm_python="/bin/sh")
-    with caplog.at_level("WARNING", logger="asyncgrpo.vllm.launcher"):
+    with caplog.at_level("WARNING", logger="asyncgrpo.inference.vllm.launcher"):
         VLLMServer(cfg)
     assert EXPOSED not in caplog.text
     exposed = cfg.model_copy(update={"vllm_host": "10.1.2.3", "allow_unauthenticated_vllm": True})
-    with caplog.at_level("WARNING", logger="asyncgrpo.vllm.launcher"):
+    with caplog.at_level("WARNING", logger="asyncgrpo.inference.vllm.launcher"):
         server = VLLMServer(exposed)
     assert server.command()[server.command().index("--host") + 1] == "10.1.2.3"
     assert "engine.vllm_host 10.1.2.3 is not a loopback address" in caplog.text
@@ -336,13 +336,13 @@ def test_a_launched_server_on_a_non_loopback_host_is_warned_about(tmp_path, capl
 
 
 def test_an_attached_server_on_a_non_loopback_address_is_warned_about(tmp_path, caplog):
-    from asyncgrpo.backend.vllm import VLLMBackend
+    from asyncgrpo.inference.backend.vllm import VLLMBackend
 
     cfg = VLLMEngineConfig(model=str(tmp_path), base_url="http://127.0.0.1:8000")
-    with caplog.at_level("WARNING", logger="asyncgrpo.backend.vllm"):
+    with caplog.at_level("WARNING", logger="asyncgrpo.inference.backend.vllm"):
         run(VLLMBackend(cfg).close())
     assert EXPOSED not in caplog.text
-    with caplog.at_level("WARNING", logger="asyncgrpo.backend.vllm"):
+    with caplog.at_level("WARNING", logger="asyncgrpo.inference.backend.vllm"):
         backend = VLLMBackend(cfg.model_copy(update={"base_url": "http://10.1.2.3:8000"}))
         run(backend.close())
     assert backend.server is None  # attached: nothing is launched
@@ -411,7 +411,7 @@ def test_a_restart_that_hangs_in_start_up_is_stopped_and_tried_once_more(tmp_pat
     try:
         server.start()
         server.wait_ready(30)
-        with caplog.at_level("WARNING", logger="asyncgrpo.vllm.launcher"):
+        with caplog.at_level("WARNING", logger="asyncgrpo.inference.vllm.launcher"):
             server.restart(timeout=3)  # start 2 hangs, start 3 answers
         assert starts(tmp_path) == 3 and server.restarts == 1 and server.alive()
         assert running(tmp_path) == [server.pid]  # the hung start was stopped

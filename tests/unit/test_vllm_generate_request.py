@@ -11,9 +11,9 @@ import json
 import httpx
 import pytest
 
-from asyncgrpo.engine.types import SamplingParams
-from asyncgrpo.vllm.client import VLLMClient
-from asyncgrpo.vllm.generate_request import (
+from asyncgrpo.inference.engine.types import SamplingParams
+from asyncgrpo.inference.vllm.client import VLLMClient
+from asyncgrpo.inference.vllm.generate_request import (
     GENERATE_PATH,
     cache_salt,
     generate_request,

@@ -5,7 +5,7 @@ vLLM runs in its own environment: `ASYNCGRPO_VLLM_PYTHON`, default
 tests skip. A vLLM server costs ~25 s to start and ~3 GB, so a module keeps at
 most one (`vllm_slot`): a test asks for the model it needs and the slot stops any
 other server first. Backends live on one event loop per module (`loop`), as they do
-in a run (`asyncgrpo.loop_thread`).
+in a run (`asyncgrpo.base.loop_thread`).
 
 `make test-vllm` runs two pytest-xdist workers, each given whole modules (`--dist
 loadfile`), so a module's tests share its server. The modules are few and uneven, and
@@ -29,9 +29,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncgrpo.backend.vllm import VLLMBackend
-from asyncgrpo.config import VLLMEngineConfig
-from asyncgrpo.loop_thread import LoopThread
+from asyncgrpo.base.config import VLLMEngineConfig
+from asyncgrpo.base.loop_thread import LoopThread
+from asyncgrpo.inference.backend.vllm import VLLMBackend
 from asyncgrpo.testing import save_tiny_vllm_model_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -262,7 +262,7 @@ def tiny_vllm(vllm_slot, tiny_vllm_model_dir) -> VLLMBackend:
 @pytest.fixture
 def smollm2(vllm_slot):
     """(a launched vLLM backend on SmolLM2-135M-Instruct, its model directory)."""
-    from asyncgrpo.models import resolve_model
+    from asyncgrpo.base.models import resolve_model
 
     model_dir = resolve_model("smollm2-135m")
     return vllm_slot.get("smollm2", vllm_engine_config(model_dir, max_model_len=2048)), model_dir

@@ -34,15 +34,15 @@ from conftest import TEST_SERVER_ENV, metric, require_vllm
 from gateway_scenarios import assert_an_sdk_retry_is_answered_once, extra
 from transformers import AutoTokenizer
 
-from asyncgrpo.agents.runner import run_episode
-from asyncgrpo.agents.trajectory import StopReason
-from asyncgrpo.client import EngineClient
-from asyncgrpo.config import EmbeddedEngineConfig, build_config
-from asyncgrpo.engine.process import EngineProcess
-from asyncgrpo.ports import free_port
-from asyncgrpo.rollout import episodes as episodes_mod
-from asyncgrpo.run import train
-from asyncgrpo.trainer import policy_trainer as trainer_loop
+from asyncgrpo.base.config import EmbeddedEngineConfig, build_config
+from asyncgrpo.base.episode import StopReason
+from asyncgrpo.base.ports import free_port
+from asyncgrpo.inference.client import EngineClient
+from asyncgrpo.inference.engine.process import EngineProcess
+from asyncgrpo.learning.agents.runner import run_episode
+from asyncgrpo.learning.rollout import episodes as episodes_mod
+from asyncgrpo.learning.trainer import policy_trainer as trainer_loop
+from asyncgrpo.run.loop import train
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import bf16_state, require_vllm, vllm_engine_config
 
-from asyncgrpo.backend.vllm import VLLMBackend
+from asyncgrpo.inference.backend.vllm import VLLMBackend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
 

@@ -22,7 +22,7 @@ from conftest import require_vllm
 from test_train_vllm import record_batches
 
 from asyncgrpo import AsyncGRPOConfig
-from asyncgrpo.run import train
+from asyncgrpo.run.loop import train
 from asyncgrpo.testing import (
     even_token_reward,
     on_ray_cluster,

@@ -29,10 +29,10 @@ from conftest import (
     wait_until,
 )
 
-from asyncgrpo.agents.runner import run_episode
-from asyncgrpo.agents.trajectory import StopReason
-from asyncgrpo.backend import make_backend
-from asyncgrpo.backend.replicas import ReplicaBackend
+from asyncgrpo.base.episode import StopReason
+from asyncgrpo.inference.backend import make_backend
+from asyncgrpo.inference.backend.replicas import ReplicaBackend
+from asyncgrpo.learning.agents.runner import run_episode
 
 pytestmark = pytest.mark.vllm
 

@@ -20,8 +20,8 @@ import pytest
 from conftest import descendants, require_vllm
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from asyncgrpo.learning.trainer import policy_trainer as trainer_loop
 from asyncgrpo.testing import even_token_reward, tiny_prompt_rows
-from asyncgrpo.trainer import policy_trainer as trainer_loop
 
 pytestmark = pytest.mark.vllm
 
@@ -135,8 +135,8 @@ def test_a_vllm_server_killed_mid_run_is_restarted_and_no_group_is_lost_or_repea
 
 @pytest.mark.slow
 def test_smollm2_learns_with_vllm_generating(tmp_path, monkeypatch):
-    from asyncgrpo.config import load_config
-    from asyncgrpo.run import train
+    from asyncgrpo.base.config import load_config
+    from asyncgrpo.run.loop import train
 
     batches = record_batches(monkeypatch)
     overrides = [

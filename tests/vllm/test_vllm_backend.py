@@ -28,11 +28,11 @@ from conftest import (
     wait_until,
 )
 
-from asyncgrpo.backend.embedded import EmbeddedBackend
-from asyncgrpo.backend.vllm import VLLMBackend
-from asyncgrpo.config import EmbeddedEngineConfig
-from asyncgrpo.vllm.client import GENERATE_PATH
-from asyncgrpo.vllm.launcher import PLUGIN_DIR, VLLMServerError
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.backend.embedded import EmbeddedBackend
+from asyncgrpo.inference.backend.vllm import VLLMBackend
+from asyncgrpo.inference.vllm.client import GENERATE_PATH
+from asyncgrpo.inference.vllm.launcher import PLUGIN_DIR, VLLMServerError
 
 pytestmark = pytest.mark.vllm
 
@@ -257,10 +257,10 @@ def test_a_split_completion_reaches_the_trainers_batch_with_its_versions(smollm2
     carries each token's version and its staleness metric ages each part by its own."""
     from transformers import AutoTokenizer
 
-    from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
-    from asyncgrpo.rollout.single_turn import SamplingSettings, SingleTurnBuilder
+    from asyncgrpo.base.config import AdvantageConfig, LossConfig, TrainerConfig
+    from asyncgrpo.learning.rollout.single_turn import SamplingSettings, SingleTurnBuilder
+    from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer
     from asyncgrpo.testing import build_tiny_llama
-    from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
     backend, model_dir = smollm2
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -297,7 +297,7 @@ def test_a_split_completion_reaches_the_trainers_batch_with_its_versions(smollm2
 def embedded(loop, tmp_path_factory):
     """The embedded engine on SmolLM2: the tiny model finishes a long request on a fast
     machine before a sync lands, so that no pause would find it in flight."""
-    from asyncgrpo.models import resolve_model
+    from asyncgrpo.base.models import resolve_model
 
     model_dir = resolve_model("smollm2-135m")
     cfg = EmbeddedEngineConfig(

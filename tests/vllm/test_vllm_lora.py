@@ -22,10 +22,10 @@ import torch
 from conftest import TEST_SERVER_ENV, RequestsSent, vllm_engine_config
 from safetensors.torch import load_file
 
-from asyncgrpo.adapters import AdapterError
-from asyncgrpo.backend.vllm import VLLMBackend
-from asyncgrpo.vllm.client import GENERATE_PATH
-from asyncgrpo.vllm.launcher import VLLMServer
+from asyncgrpo.inference.adapters import AdapterError
+from asyncgrpo.inference.backend.vllm import VLLMBackend
+from asyncgrpo.inference.vllm.client import GENERATE_PATH
+from asyncgrpo.inference.vllm.launcher import VLLMServer
 
 pytestmark = pytest.mark.vllm
 
@@ -174,7 +174,7 @@ def lora_smollm2(vllm_slot):
     """(a vLLM backend serving adapters on SmolLM2, its model directory). Its ~40 ms decode
     steps leave a sync room to land mid-request; on the tiny model a fast machine finishes
     the request first, as its API server passes nothing through while it decodes."""
-    from asyncgrpo.models import resolve_model
+    from asyncgrpo.base.models import resolve_model
 
     model_dir = resolve_model("smollm2-135m")
     cfg = vllm_engine_config(model_dir, max_model_len=1024, max_lora_rank=RANK)

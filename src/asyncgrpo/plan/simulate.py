@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncgrpo.coordinator.staleness import admission_budget, is_too_stale, may_admit
+from asyncgrpo.base.staleness import admission_budget, is_too_stale, may_admit
 from asyncgrpo.plan.costs import Costs, Lengths, PlanInputError
 from asyncgrpo.plan.engine import Sequence, SimEngine
 from asyncgrpo.plan.host import WorkClock

@@ -117,7 +117,7 @@ def save_tiny_vllm_model_dir(path: str | Path, seed: int = 0) -> Path:
     the 419-token test vocabulary). 6.4M parameters, mostly the tied embedding."""
     from transformers import AutoTokenizer
 
-    from asyncgrpo.models import resolve_model
+    from asyncgrpo.base.models import resolve_model
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -224,9 +224,9 @@ def on_ray_cluster(nodes: Any, **overrides: Any) -> dict[str, Any]:
 def record_weight_sends(monkeypatch: Any, *kinds: str) -> dict[str, list[str]]:
     """Wrap the `send` of the weight transports named in `kinds` (shm, disk, http) so that
     each image sent is recorded: kind -> the engine URLs it went to, in order."""
-    from asyncgrpo.transport.disk import DiskTransport
-    from asyncgrpo.transport.http import HttpTransport
-    from asyncgrpo.transport.shm import ShmTransport
+    from asyncgrpo.inference.transport.disk import DiskTransport
+    from asyncgrpo.inference.transport.http import HttpTransport
+    from asyncgrpo.inference.transport.shm import ShmTransport
 
     classes = {"shm": ShmTransport, "disk": DiskTransport, "http": HttpTransport}
     sent: dict[str, list[str]] = {kind: [] for kind in kinds}

@@ -1,7 +1,7 @@
 """The Tinker API's HTTP routes over a `TinkerService`, as the `tinker` SDK 0.38 calls them.
 
 Every route but the health check needs the API key in `X-API-Key` (compared in constant
-time). Bodies are size-limited before routing (`asyncgrpo.server.limits`); a request the
+time). Bodies are size-limited before routing (`asyncgrpo.inference.server.limits`); a request the
 server cannot even decode is answered 400 with `{"error", "category": "user"}`, which
 the SDK raises at once; a decoded request that is wrong still takes its place in its
 model's `seq_id` order and fails as a user error through its future, so the requests
@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from asyncgrpo.server.limits import BodyLimitMiddleware
+from asyncgrpo.inference.server.limits import BodyLimitMiddleware
 from asyncgrpo.tinker import json_wire, sample_wire, state_ops, wire
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.futures import LONG_POLL_S

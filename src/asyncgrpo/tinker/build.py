@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.adapters import ADAPTER_PREFIX, LORA_A_SUFFIX, LORA_B_SUFFIX
-from asyncgrpo.config import EmbeddedEngineConfig, TrainerConfig
-from asyncgrpo.hardware import keep_freed_memory
+from asyncgrpo.base.config import EmbeddedEngineConfig, TrainerConfig
+from asyncgrpo.base.hardware import keep_freed_memory
+from asyncgrpo.inference.adapters import ADAPTER_PREFIX, LORA_A_SUFFIX, LORA_B_SUFFIX
 from asyncgrpo.tinker.limits import TinkerLimits
 from asyncgrpo.tinker.service import ServedModel, TinkerService
 
@@ -24,7 +24,7 @@ def build_service(
     on this process's CPU, which keeps freed memory for reuse (`keep_freed_memory`)."""
     from transformers import AutoModelForCausalLM
 
-    from asyncgrpo.backend.embedded import EmbeddedBackend
+    from asyncgrpo.inference.backend.embedded import EmbeddedBackend
     from asyncgrpo.tinker.training import LoraModels
 
     keep_freed_memory()

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from asyncgrpo.export import ExportError, building, check_out_dir, save_full
+from asyncgrpo.run.export import ExportError, building, check_out_dir, save_full
 from asyncgrpo.tinker.checkpoints import META, SCHEME, TENSORS, CheckpointStore
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.lora_state import OPTIMIZER_PREFIX, adapter_factors, load_adapter
@@ -94,7 +94,7 @@ def read_meta(checkpoint_dir: Path) -> tuple[LoraSpec, str]:
 
 def base_model_dir(name: str) -> Path:
     """The local directory of the base model the server trained on."""
-    from asyncgrpo.models import resolve_model
+    from asyncgrpo.base.models import resolve_model
 
     try:
         return Path(resolve_model(name)).resolve()
@@ -107,7 +107,7 @@ def adapted_model(base_dir: Path, spec: LoraSpec, tensors: dict[str, torch.Tenso
     an adapted head that shares the input embedding's weight first gets a copy of its own."""
     from transformers import AutoModelForCausalLM
 
-    from asyncgrpo.trainer.lora import import_peft
+    from asyncgrpo.learning.trainer.lora import import_peft
 
     peft = import_peft()
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from asyncgrpo.learning.trainer.datums import AdamParams
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.limits import TinkerLimits
-from asyncgrpo.trainer.datums import AdamParams
 
 REQUIRED: Any = object()
 """`read_field`'s default: the key must be present (and not null)."""

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from asyncgrpo.learning.trainer.lora import LORA_SUFFIXES, SAVED_PREFIX
 from asyncgrpo.tinker.errors import TinkerUserError
-from asyncgrpo.trainer.lora import LORA_SUFFIXES, SAVED_PREFIX
 
 OPTIMIZER_PREFIX = "optimizer."
 STATE_FIELD = "path"

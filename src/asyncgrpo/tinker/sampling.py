@@ -7,7 +7,7 @@ that silently sampled with newer weights would corrupt every importance ratio), 
 `inflight` samplers that follow a model's newest weights. The engine holds one set of
 weights at a time, so `EngineWeights` lets requests of the loaded sampler run together
 and switches to another sampler's weights only when the engine is idle. A switch is a
-LoRA adapter sync (tens of milliseconds on the embedded engine: `asyncgrpo.adapters`);
+LoRA adapter sync (tens of milliseconds on the embedded engine: `asyncgrpo.inference.adapters`);
 waiting switches are served before new requests of the loaded sampler join, so a busy
 sampler cannot starve the others.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncgrpo.backend.base import EngineBackend
+from asyncgrpo.inference.backend.base import EngineBackend
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.sample_wire import SampleCall, SampledSequence, encode_sample_response
 

@@ -3,7 +3,7 @@
 It loads the base model twice, as the other front door (`asyncgrpo train`) does: once in
 this process, where the LoRA training models share it, and once in the embedded engine's
 own process, which samples. Nothing is downloaded: `--model` is a shipped model's name, a
-local Hugging Face directory, or a hub id already in the local cache (`asyncgrpo.models`).
+local Hugging Face directory, or a hub id already in the local cache (`asyncgrpo.base.models`).
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def api_key() -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from asyncgrpo.config import EmbeddedEngineConfig
-    from asyncgrpo.models import ModelNotFoundError, resolve_model
-    from asyncgrpo.server.connections import run_server
+    from asyncgrpo.base.config import EmbeddedEngineConfig
+    from asyncgrpo.base.models import ModelNotFoundError, resolve_model
+    from asyncgrpo.inference.server.connections import run_server
     from asyncgrpo.tinker.app import KEY_PREFIX, create_app
     from asyncgrpo.tinker.build import build_service
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncgrpo.hardware import threads_here, use_threads_here
+from asyncgrpo.base.hardware import threads_here, use_threads_here
 from asyncgrpo.tinker import wire
 from asyncgrpo.tinker.checkpoints import CheckpointStore, check_name, tinker_path
 from asyncgrpo.tinker.errors import TinkerUserError
@@ -71,7 +71,7 @@ class TinkerService:
         state_dir: Path,
     ):
         """`models`: the training models (`training.LoraModels`); `backend`: the engine
-        that samples (`asyncgrpo.backend`); `base_adapter`: an adapter that leaves the
+        that samples (`asyncgrpo.inference.backend`); `base_adapter`: an adapter that leaves the
         engine at the base weights; `state_dir`: where `tinker://` paths are stored."""
         self.served = served
         self.models = models

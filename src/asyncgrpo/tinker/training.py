@@ -33,7 +33,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from asyncgrpo.config import AdvantageConfig, LossConfig, TrainerConfig
+from asyncgrpo.base.config import AdvantageConfig, LossConfig, TrainerConfig
+from asyncgrpo.learning.trainer.datums import (
+    AdamParams,
+    LossFn,
+    MicroBatch,
+    TrainDatum,
+    padded_inputs,
+)
+from asyncgrpo.learning.trainer.logprobs import lm_head_token_logprobs
+from asyncgrpo.learning.trainer.lora import import_peft, linear_module_names
+from asyncgrpo.learning.trainer.packing import pad_ragged
+from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.lora_state import (
     adapter_factors,
@@ -43,11 +54,6 @@ from asyncgrpo.tinker.lora_state import (
     sampler_factors,
 )
 from asyncgrpo.tinker.losses import MetricTotals, TinkerLoss, make_loss
-from asyncgrpo.trainer.datums import AdamParams, LossFn, MicroBatch, TrainDatum, padded_inputs
-from asyncgrpo.trainer.logprobs import lm_head_token_logprobs
-from asyncgrpo.trainer.lora import import_peft, linear_module_names
-from asyncgrpo.trainer.packing import pad_ragged
-from asyncgrpo.trainer.policy_trainer import PolicyTrainer
 
 if TYPE_CHECKING:
     from asyncgrpo.tinker.wire import TinkerDatum

@@ -1,5 +1,0 @@
-"""HTTP server for the embedded engine (OpenAI-compatible routes + RL control routes)."""
-
-from asyncgrpo.server.app import ServerSettings, create_app
-
-__all__ = ["ServerSettings", "create_app"]
