@@ -3,7 +3,7 @@
 Weights in float64: the log-prob kernels still compute in float32, and Adam's first
 steps divide by the gradients' own size, so a float32 rounding difference in a
 near-zero gradient (sums taken in another order) would move that weight by up to
-~lr·1e-3 in float32 weights; with float64 weights the difference stays below 1e-6. Rank 0 is this test process (`wiring.make_trainer` with `trainer.num_processes: 2`
+~lr·1e-3 in float32 weights; with float64 weights the difference stays below 1e-6. Rank 0 is this test process (`run/build.py`'s `make_trainer` with `trainer.num_processes: 2`
 starts rank 1 as `python -m asyncgrpo.learning.trainer.follower`); the reference is the
 one-process `PolicyTrainer` on the same batches. Batches have groups of different
 lengths and a micro-batch budget small enough that ranks run different numbers of

@@ -400,7 +400,7 @@ def test_a_build_that_fails_after_the_engine_started_stops_it(
 ):
     """The engine starts before the trainer's model loads; a later error must not orphan it."""
     from asyncgrpo.base.config import RunConfig
-    from asyncgrpo.run import build as wiring
+    from asyncgrpo.run import build
 
     cfg = base_config(tmp_path, tiny_model_dir, "late-failure")
     cfg["dataset"] = {"builtin": "arithmetic", "size": 8}
@@ -409,7 +409,7 @@ def test_a_build_that_fails_after_the_engine_started_stops_it(
     def fail(*args, **kwargs):
         raise RuntimeError("the trainer could not be built")
 
-    monkeypatch.setattr(wiring, "make_trainer", fail)
+    monkeypatch.setattr(build, "make_trainer", fail)
     with pytest.raises(RuntimeError, match="could not be built"):
-        wiring.build_run(RunConfig.model_validate(cfg))
+        build.build_run(RunConfig.model_validate(cfg))
     assert engine_children() == []

@@ -133,13 +133,13 @@ class FakeCluster:
 
 def test_wiring_hands_the_trainer_the_clusters_rank_spawner_and_the_drivers_address():
     from asyncgrpo.base.config import RunConfig
-    from asyncgrpo.run import build as wiring
+    from asyncgrpo.run import roles
     from asyncgrpo.run.cluster.rank_actors import RankActor, RankHandle
 
     cfg = build_config({}, ["trainer.num_processes=3", "cluster.launcher=ray"])
-    assert wiring._trainer_ranks(cfg, None) == (None, "127.0.0.1")  # child processes here
+    assert roles.trainer_ranks(cfg, None) == (None, "127.0.0.1")  # child processes here
     cluster = FakeCluster()
-    spawn, host = wiring._trainer_ranks(cfg, cluster)
+    spawn, host = roles.trainer_ranks(cfg, cluster)
     assert host == "10.0.0.7"
     world = SimpleNamespace(size=3, procs=[])
     spawn(world, host, 29500)

@@ -129,7 +129,7 @@ def test_the_engine_publishes_busy_while_it_computes(tiny_model_dir, monkeypatch
 def test_the_engine_publishes_busy_while_it_writes_a_weight_update_when_paused(
     tiny_model_dir, monkeypatch
 ):
-    """A weight sync that lands while the trainer steps (`session/engine_link.py`) copies
+    """A weight sync that lands while the trainer steps (`run/session/engine_link.py`) copies
     the weights on the engine's core: the trainer must not count that core as idle."""
     engine, _, during = engine_recording_busy(
         tiny_model_dir, monkeypatch, "runner", "weights_changed"

@@ -1,6 +1,6 @@
 """The run's roles behind their protocols, exercised with fakes only (no model, no HTTP).
 
-- The top-level loop of `run.py` (`continuous_rollouts` + `continuous_training` over a
+- The top-level loop of `run/loop.py` (`continuous_rollouts` + `continuous_training` over a
   `RunContext`) driven end to end by a fake `EngineBackend`, a fake `GroupBuilder` and
   a fake `Trainer`, with the real buffer, prompt stream, orchestrator, loop thread,
   evaluator, checkpointer and metric rows: the trainer gets `max_steps` full batches,
@@ -47,7 +47,8 @@ from asyncgrpo.learning.rollout.single_turn import SamplingSettings, SingleTurnB
 from asyncgrpo.learning.rollout.types import Group, Rollout
 from asyncgrpo.learning.trainer.base import Trainer
 from asyncgrpo.learning.trainer.checkpoint import Checkpointer, TrainingState, latest_checkpoint
-from asyncgrpo.run.context import RunContext, assemble_run
+from asyncgrpo.run.build import assemble_run
+from asyncgrpo.run.context import RunContext
 from asyncgrpo.run.loop import run_to_end
 from asyncgrpo.run.session import RunAborted
 from asyncgrpo.run.watchdog import Watchdog
@@ -212,7 +213,7 @@ def run_config(tmp_path: Path, **coordinator: Any) -> RunConfig:
 
 
 def assemble(cfg: RunConfig, rows: list[dict], resume: bool = False, **kw: Any) -> RunContext:
-    """A `RunContext` of fake roles and real plumbing, wired by `wiring.assemble_run`;
+    """A `RunContext` of fake roles and real plumbing, wired by `run/build.py`'s `assemble_run`;
     `engine=` another fake engine, `builder=` a factory of the builder from the engine,
     `rewards=` a `RewardRunner`."""
     run_dir = Path(cfg.output_dir) / cfg.name

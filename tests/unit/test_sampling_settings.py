@@ -10,7 +10,7 @@ import pytest
 
 from asyncgrpo.base.config import SamplingSettings, build_config
 from asyncgrpo.inference.client.engine_client import Completion, Continuation
-from asyncgrpo.run.build import _builder
+from asyncgrpo.run.roles import group_builder as _builder
 
 
 def test_the_recipe_builds_the_settings_once_by_name():

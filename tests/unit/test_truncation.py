@@ -16,7 +16,7 @@ from asyncgrpo.inference.client.engine_client import Completion, Continuation
 from asyncgrpo.learning.rollout.single_turn import SamplingSettings, SingleTurnBuilder
 from asyncgrpo.learning.rollout.types import Group, Rollout
 from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer
-from asyncgrpo.run.build import _builder
+from asyncgrpo.run.roles import group_builder as _builder
 from asyncgrpo.testing import build_tiny_llama
 
 # ---- mask_truncated_completions ------------------------------------------------------
@@ -154,6 +154,6 @@ def test_max_prompt_length_reaches_the_builder_by_its_trl_name(caplog):
     async def episode(task, llm):
         return 0.0
 
-    with caplog.at_level(logging.WARNING, logger="asyncgrpo.run.build"):
+    with caplog.at_level(logging.WARNING, logger="asyncgrpo.run.roles"):
         _builder(cfg, RecordingClient(), CharTokenizer(), IndexRewards(), episode)
     assert "agent episodes ignore it" in caplog.text  # ignored there, and said so

@@ -1,7 +1,7 @@
 """The discrete-event run: an orchestrator admitting groups, engines, a trainer, syncs.
 
 It follows asyncgrpo's own rules, with its pure functions where they exist:
-admission is `coordinator.staleness.may_admit` (the staleness budget and the
+admission is `base/staleness.py`'s `may_admit` (the staleness budget and the
 `max_ahead` look-ahead cap), a batch drops groups `is_too_stale` at consume time, a
 group of `num_generations` sequences goes to the replica with the least outstanding
 sequences (`client/router.py`), the trainer syncs every `weight_sync_steps` steps and

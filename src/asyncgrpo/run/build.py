@@ -1,118 +1,60 @@
-"""Build a run's roles from a `RunConfig` and optional user objects.
+"""The one place a run is assembled: a `RunConfig` (and optional user objects) to a `RunContext`.
 
-Config names are resolved here: the model (`smollm2-135m`, a directory, a hub
-id), the dataset spec, the reward functions (built-in names or dotted paths),
-an agent rollout (`agent.rollout`, a dotted path, or `rollout_func=`: groups of
-episodes instead). Objects passed by the Python API (`AsyncGRPOTrainer(model=...,
-reward_funcs=..., train_dataset=...)`) take precedence over the config's names.
-Each role gets its own section of the config, unchanged.
+`build_run` reads top to bottom as the run comes up: inputs checked (rewards, an
+environment's episode source, prompt rows) before anything starts; the run directory
+and its resolved config; the engine launched (it loads its model while this process
+loads the policy); the trainer; the group builder; then `assemble_run` puts the
+roles together with the parts around them — prompt stream, buffer, orchestrator,
+loop thread, engine link, evaluator, checkpoints, metric rows and the session's parts
+(`session/`), each configured from its own section. The roles themselves are
+resolved from the config's names in `roles.py`; the loop that drives the result is
+`loop.py`. What the run closes is registered here, in order.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import os
-import sys
-from collections.abc import Iterator
+import math
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from asyncgrpo.base.config import ConfigError, RunConfig
-from asyncgrpo.inference.backend import EngineBackend, make_backend
+from asyncgrpo.base.config import RunConfig
+from asyncgrpo.base.loop_thread import LoopThread
+from asyncgrpo.inference.backend import EngineBackend
 from asyncgrpo.inference.core_share import lend_to, share_engine_cores
-from asyncgrpo.learning.environments import episode_source, wants_source
+from asyncgrpo.learning.coordinator.buffer import RolloutBuffer
+from asyncgrpo.learning.environments import wants_source
+from asyncgrpo.learning.metrics.rows import StepRows
 from asyncgrpo.learning.metrics.tracker import MetricsTracker
-from asyncgrpo.learning.rollout.data import DatasetError, dataset_rows, load_prompts
-from asyncgrpo.learning.rollout.rewards import RewardRunner, RewardSpecError
-from asyncgrpo.learning.trainer.build import (
-    huge_pages_early,
-    load_policy,
-    make_trainer,
-    prepare_policy,
+from asyncgrpo.learning.rollout.builder import GroupBuilder
+from asyncgrpo.learning.rollout.orchestrator import Orchestrator
+from asyncgrpo.learning.rollout.prompts import PromptStream
+from asyncgrpo.learning.trainer.base import Trainer
+from asyncgrpo.learning.trainer.build import huge_pages_early, make_trainer
+from asyncgrpo.learning.trainer.checkpoint import Checkpointer
+from asyncgrpo.run.context import RunContext
+from asyncgrpo.run.evaluation import Evaluator
+from asyncgrpo.run.roles import (
+    checked_inputs,
+    close_started,
+    engine_backend,
+    engine_model_dir,
+    group_builder,
+    policy_and_tokenizer,
+    ray_cluster,
+    trainer_ranks,
 )
-from asyncgrpo.run.context import RunContext, assemble_run
+from asyncgrpo.run.session.activity import Activity
+from asyncgrpo.run.session.batches import BatchWaiter
+from asyncgrpo.run.session.clock import RunClock
+from asyncgrpo.run.session.engine_link import EngineLink
+from asyncgrpo.run.session.status import PipelineStatus
 
 logger = logging.getLogger(__name__)
-
-
-def _model_dir(cfg: RunConfig, model: Any, tokenizer: Any, run_dir: Path) -> str:
-    """A directory the engine process can load: the resolved name, or the user's model saved
-    with its tokenizer (`processing_class`, else the one of the directory it came from)."""
-    if model is None or isinstance(model, str | Path):
-        from asyncgrpo.base.models import resolve_model
-
-        return str(resolve_model(str(model or cfg.model.name_or_path)))
-    target = run_dir / "initial_model"
-    if not (target / "config.json").exists():
-        model.save_pretrained(target)
-    if not (target / "tokenizer_config.json").exists():
-        _tokenizer_for(model, tokenizer).save_pretrained(target)
-    return str(target)
-
-
-def _tokenizer_for(model: Any, tokenizer: Any) -> Any:
-    if tokenizer is not None:
-        return getattr(tokenizer, "tokenizer", tokenizer)  # a processor holds its tokenizer
-    source = getattr(model, "name_or_path", "") or ""
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError):
-        raise ConfigError(
-            f"the model object came from {source or 'no directory'!r}, which has no tokenizer "
-            "the engine can load: pass processing_class=tokenizer"
-        ) from None
-
-
-def _check(cfg: RunConfig, funcs: list, agent: bool, from_env: bool) -> None:
-    if agent and not from_env and len(cfg.advantage.reward_weights or [1.0]) != 1:
-        raise ConfigError("advantage.reward_weights: an agent run has one reward (the rollout's)")
-    if not funcs and not agent:
-        raise ConfigError("no reward functions: set `rewards:` in the recipe or pass reward_funcs")
-
-
-@contextlib.contextmanager
-def _user_errors() -> Iterator[None]:
-    """Dataset and reward mistakes as `ConfigError`: one line, no traceback on the CLI."""
-    try:
-        yield
-    except (DatasetError, RewardSpecError) as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _prompt_rows(
-    cfg: RunConfig, train: Any, held_out: Any, agent: bool, source: Any
-) -> tuple[list, Any]:
-    """(train rows, held-out rows or None), read and checked: the recipe's `dataset:` unless
-    the API passed datasets, else the environment's own rows."""
-    if train is None and not cfg.dataset and getattr(source, "train_rows", None) is not None:
-        train = source.train_rows
-        held_out = source.eval_rows if held_out is None else held_out
-    if train is None:
-        train, loaded = load_prompts(cfg.dataset, cfg.seed)
-        if held_out is None:
-            return train, loaded
-    else:
-        column = None if agent else cfg.dataset.get("prompt_column", "prompt")
-        train = dataset_rows(train, "train_dataset", ("train",), column)
-    if held_out is not None:
-        column = None if agent else cfg.dataset.get("prompt_column", "prompt")
-        held_out = dataset_rows(held_out, "eval_dataset", ("test", "validation", "eval"), column)
-    return train, held_out
-
-
-def _cwd_importable() -> None:
-    """Dotted reward paths resolve from the current directory, as in `python -m`: append it
-    to sys.path (after installed packages, so it shadows none of them)."""
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
 
 
 def build_run(
@@ -128,13 +70,16 @@ def build_run(
     tools: list | None = None,
     environment_factory: Any = None,
 ) -> RunContext:
+    """The run `cfg` describes, ready for `loop.run_to_end`: objects passed by the Python API
+    (`model`, `reward_funcs`, datasets, a rollout, TRL tools or environment classes) take
+    precedence over the config's names. What started is closed again if a step fails."""
     huge_pages_early(cfg)  # first: torch fixes it at the process's first tensor
     funcs = reward_funcs if reward_funcs is not None else list(cfg.rewards)
     from_env = wants_source(cfg, tools, environment_factory)
     agent = rollout_func is not None or cfg.agent.source is not None or from_env
     env = (tools, environment_factory) if from_env else None
     datasets = (train_dataset, eval_dataset)
-    rewards, source, train_rows, eval_rows = _inputs(cfg, funcs, agent, datasets, env)
+    rewards, source, train_rows, eval_rows = checked_inputs(cfg, funcs, agent, datasets, env)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer.num_threads)
     engine = trainer = cluster = None
@@ -142,18 +87,18 @@ def build_run(
         run_dir = Path(resume) if resume else Path(cfg.output_dir) / cfg.name
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-        model_dir = _model_dir(cfg, model, tokenizer, run_dir)
-        cluster = _cluster(cfg, run_dir)
-        engine = _engine(cfg, model_dir, run_dir, agent, cluster)
+        model_dir = engine_model_dir(cfg, model, tokenizer, run_dir)
+        cluster = ray_cluster(cfg, run_dir)
+        engine = engine_backend(cfg, model_dir, run_dir, agent, cluster)
         busy_flag = share_engine_cores(cfg, engine)
         engine.launch()  # the engine loads its copy of the model while this process loads its own
-        model, tokenizer = _policy(cfg, model, tokenizer, model_dir)
+        model, tokenizer = policy_and_tokenizer(cfg, model, tokenizer, model_dir)
         tracker = MetricsTracker(
             run_dir, overwrite=resume is None, report_to=cfg.report_to, config=cfg.model_dump()
         )
-        trainer = make_trainer(cfg, model, run_dir, model_dir, *_trainer_ranks(cfg, cluster))
+        trainer = make_trainer(cfg, model, run_dir, model_dir, *trainer_ranks(cfg, cluster))
         lender = lend_to(trainer, busy_flag, cfg)
-        builder = _builder(cfg, engine.client, tokenizer, rewards, rollout_func, source)
+        builder = group_builder(cfg, engine.client, tokenizer, rewards, rollout_func, source)
         repeats = cfg.agent.eval_repeats if agent else 1  # sampled episodes: average some
         run = assemble_run(
             cfg,
@@ -168,7 +113,7 @@ def build_run(
             eval_repeats=repeats,
         )
     except BaseException:
-        _close_started(rewards, trainer, engine, cluster, source)
+        close_started(rewards, trainer, engine, cluster, source)
         raise
     _add_closers(run, source, cluster, lender)
     return run
@@ -184,151 +129,108 @@ def _add_closers(run: RunContext, source, cluster, lender) -> None:
         run.closers.append(lender.remove)  # the model may outlive the run (`api.py`)
 
 
-def _inputs(cfg: RunConfig, funcs: list, agent: bool, datasets: tuple, env: tuple | None) -> tuple:
-    """(reward runner, episode source, train rows, held-out rows), every input checked before
-    the engine starts; `env` is (tools, environment_factory) when an environment gives the
-    episodes, else None."""
-    rewards = source = None
-    try:
-        with _user_errors():
-            _check(cfg, funcs, agent, env is not None)
-            _cwd_importable()
-            rewards = _rewards(cfg, funcs)
-            if env is not None:
-                source = _source(cfg, rewards, *env)
-            return rewards, source, *_prompt_rows(cfg, *datasets, agent, source)
-    except BaseException:
-        _close_started(rewards, None, None, None, source)
-        raise
-
-
-def _source(cfg: RunConfig, rewards: Any, tools: Any, environment_factory: Any) -> Any:
-    """The environment's episode source; its reward columns must match `reward_weights`."""
-    source = episode_source(
-        cfg, reward_funcs=rewards, tools=tools, environment_factory=environment_factory
+def assemble_run(
+    cfg: RunConfig,
+    run_dir: Path,
+    engine: EngineBackend,
+    trainer: Trainer,
+    builder: GroupBuilder,
+    tracker: Any,
+    train_rows: Any,
+    eval_rows: Any,
+    rewards: Any = None,
+    eval_repeats: int = 1,
+) -> RunContext:
+    """The run around its three roles: prompt stream, buffer, orchestrator, loop thread,
+    evaluator, checkpoints and metric rows, each configured from its own section, and the
+    session's parts (`session/`). `rewards`, the builder's `RewardRunner` if any, is closed
+    with the run."""
+    prompts = PromptStream(train_rows, cfg.seed)
+    buffer = _buffer(cfg, prompts)
+    orchestrator = _orchestrator(cfg, builder, buffer, prompts)
+    loop = LoopThread()
+    weight_dtype = getattr(torch, cfg.engine.resolved_dtype())
+    activity, clock = Activity(tracker), RunClock(cfg.max_time_s)
+    link = EngineLink(
+        engine, loop, trainer, buffer, activity, weight_dtype, cfg.coordinator.sync_mode
     )
-    weights = cfg.advantage.reward_weights
-    names = source.scorer.names if source.scorer is not None else ["reward"]
-    if weights is not None and len(weights) != len(names):
-        for close in source.closers:
-            close()
-        raise ConfigError(
-            f"advantage.reward_weights has {len(weights)} weights for the rewards {names}"
-        )
-    return source
+    evaluator = _evaluator(cfg, builder, eval_rows, loop, tracker, eval_repeats, link.landed)
+    checkpoints = Checkpointer(
+        trainer,
+        run_dir,
+        cfg.checkpoint_steps,
+        cfg.save_weights_steps,
+        weight_dtype,
+        keep=cfg.save_total_limit,
+    )
+    status = PipelineStatus(activity, buffer, orchestrator, link, trainer, rewards)
+    batches = BatchWaiter(
+        buffer, orchestrator, link, clock, activity, cfg.rollout.request_timeout_s, status.report
+    )
+    return RunContext(
+        cfg=cfg,
+        run_dir=run_dir,
+        loop=loop,
+        link=link,
+        buffer=buffer,
+        prompts=prompts,
+        orchestrator=orchestrator,
+        trainer=trainer,
+        evaluator=evaluator,
+        checkpoints=checkpoints,
+        rows=StepRows(tracker, buffer, builder, advantage=cfg.advantage),
+        tracker=tracker,
+        activity=activity,
+        clock=clock,
+        batches=batches,
+        status=status,
+        closers=[rewards.close] if rewards is not None else [],
+        rewards=rewards,
+    )
 
 
-def _policy(cfg: RunConfig, model: Any, tokenizer: Any, model_dir: str) -> tuple[Any, Any]:
-    """(the policy to train, its tokenizer): loaded from `model_dir` unless the API passed
-    them (a model object is trained in fp32)."""
-    if tokenizer is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if model is None or isinstance(model, str | Path):
-        return load_policy(cfg, model_dir), tokenizer
-    return prepare_policy(cfg, model.float()), tokenizer
-
-
-def _close_started(rewards: Any, trainer: Any, engine: Any, cluster: Any, source: Any) -> None:
-    """Close what a failed `build_run` had started (None: not started)."""
-    for close in source.closers if source is not None else []:
-        close()
-    if rewards is not None:
-        rewards.close()
-    if trainer is not None:
-        trainer.close()
-    if engine is not None:
-        asyncio.run(engine.close())
-    if cluster is not None:
-        cluster.shutdown()
-
-
-def _cluster(cfg: RunConfig, run_dir: Path) -> Any:
-    """The run's Ray placement (`cluster.launcher: ray`), or None to run everything here."""
-    if cfg.cluster.launcher != "ray":
-        return None
-    from asyncgrpo.run.cluster.placement import RayCluster
-
-    return RayCluster(cfg.cluster, run_dir, cfg.engine.replica_count, cfg.trainer.num_processes - 1)
-
-
-def _trainer_ranks(cfg: RunConfig, cluster: Any) -> tuple[Any, str]:
-    """How rank 0 starts the other trainer ranks and the host they reach it at: as actors of
-    the Ray cluster, or (None) as child processes here."""
-    if cluster is None:
-        return None, "127.0.0.1"
-    from asyncgrpo.run.cluster.rank_actors import rank_spawner
-
-    return rank_spawner(cluster, cfg.model_dump_json()), cluster.driver_ip
-
-
-def _engine(
-    cfg: RunConfig, model_dir: str, run_dir: Path, agent: bool, cluster: Any = None
-) -> EngineBackend:
-    lora = cfg.model.lora
-    engine_cfg = cfg.engine.for_run(model_dir, lora.r if lora else None)
-    if cluster is not None:
-        from asyncgrpo.run.cluster.engines import ray_engine_backend
-
-        return ray_engine_backend(engine_cfg, cluster, run_dir, cfg.model.name_or_path, agent)
-    return make_backend(engine_cfg, run_dir, episodes=agent)
-
-
-def _rewards(cfg: RunConfig, funcs: list) -> RewardRunner | None:
+def _orchestrator(
+    cfg: RunConfig, builder: GroupBuilder, buffer: RolloutBuffer, prompts: PromptStream
+) -> Orchestrator:
     r = cfg.rollout
-    if not funcs:
-        return None
-    return RewardRunner(
-        funcs,
-        timeout_s=r.reward_timeout_s,
-        workers=r.reward_workers,
-        num_workers=r.reward_num_workers,
+    return Orchestrator(
+        builder,
+        buffer,
+        prompts,
+        filter_zero_variance=r.filter_zero_variance,
+        max_concurrent_groups=r.max_concurrent_groups,
+        on_reward_error=r.reward_error_policy,
     )
 
 
-def _builder(cfg: RunConfig, client, tokenizer, rewards, rollout_func, source=None):
-    """Agent episodes (an environment's `source`, `agent.rollout`, or a function passed in),
-    else single-turn groups."""
-    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-    a = cfg.agent
-    if rollout_func is not None or a.rollout is not None or source is not None:
-        from asyncgrpo.learning.rollout.episodes import (
-            EpisodeGroupBuilder,
-            EpisodeSettings,
-            load_rollout,
-        )
+def _evaluator(
+    cfg: RunConfig,
+    builder: GroupBuilder,
+    rows: Any,
+    loop: LoopThread,
+    tracker: Any,
+    repeats: int,
+    landed: Callable[[], Awaitable[None]],
+) -> Evaluator:
+    return Evaluator(
+        builder,
+        rows,
+        loop,
+        tracker,
+        landed=landed,
+        every=cfg.eval_steps,
+        limit=cfg.eval_limit,
+        repeats=repeats,
+        timeout_s=cfg.rollout.request_timeout_s,
+    )
 
-        settings = EpisodeSettings(
-            cfg.rollout.num_generations,
-            a.max_turns,
-            a.episode_timeout_s,
-            a.call_timeout_s,
-            a.max_infra_retries,
-            dict(a.failure_rewards),
-            scored_by_group=source is not None and source.scorer is not None,
-        )
-        if cfg.rollout.max_prompt_length is not None:
-            logger.warning(
-                "rollout.max_prompt_length applies to single-turn rollouts only: "
-                "agent episodes ignore it (engine.max_model_len bounds them)"
-            )
-        if source is not None:
-            graders = None if source.scores_with_rewards else rewards
-            return EpisodeGroupBuilder(
-                client,
-                source.rollout,
-                settings,
-                decode,
-                graders=graders,
-                advantage=cfg.advantage,
-                scorer=source.scorer,
-            )
-        fn = rollout_func or load_rollout(a.rollout)
-        return EpisodeGroupBuilder(
-            client, fn, settings, decode, graders=rewards, advantage=cfg.advantage
-        )
-    from asyncgrpo.learning.rollout.single_turn import SingleTurnBuilder
 
-    sampling = cfg.rollout.sampling(cfg.seed)
-    return SingleTurnBuilder(client, tokenizer, rewards, sampling, cfg.advantage)
+def _buffer(cfg: RunConfig, prompts: PromptStream) -> RolloutBuffer:
+    c = cfg.coordinator
+    ahead = c.max_ahead_batches
+    return RolloutBuffer(
+        c.batch_groups,
+        c.max_staleness,
+        on_group_end=prompts.done,  # a prompt whose group ended is never served again
+        max_ahead=None if ahead is None else math.ceil(ahead * c.batch_groups),
+    )

@@ -1,7 +1,7 @@
-"""The wired parts of one run, held together for the loop in `run.py`.
+"""The wired parts of one run, held together for the loop in `loop.py`.
 
-`wiring.build_run` builds the roles from the recipe; `assemble_run` (below)
-puts them together with the rest into a `RunContext`. Each role sits behind its own
+`build.py` assembles them (the only place that does); this is what it returns. Each
+role sits behind its own
 interface (`EngineBackend`, `GroupBuilder`, `Trainer`, the buffer and its
 ledger), and each concern between them has one owner in `session/`: the engine
 link (start, revive, weight syncs), the clock, the wait for a batch, what the
@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from asyncgrpo.base.config import RunConfig
 from asyncgrpo.base.loop_thread import LoopThread
-from asyncgrpo.inference.backend import EngineBackend
 from asyncgrpo.learning.coordinator.buffer import RolloutBuffer
 from asyncgrpo.learning.metrics.rows import StepRows
-from asyncgrpo.learning.rollout.builder import GroupBuilder
 from asyncgrpo.learning.rollout.orchestrator import Orchestrator
 from asyncgrpo.learning.rollout.prompts import PromptStream
 from asyncgrpo.learning.rollout.rewards import TrainerState
@@ -44,7 +38,7 @@ from asyncgrpo.run.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunContext", "assemble_run"]
+__all__ = ["RunContext"]
 
 
 @dataclass
@@ -157,110 +151,3 @@ class RunContext:
         for close in self.closers:  # reward pools, then the Ray cluster's actors
             close()
         self.tracker.close()
-
-
-def assemble_run(
-    cfg: RunConfig,
-    run_dir: Path,
-    engine: EngineBackend,
-    trainer: Trainer,
-    builder: GroupBuilder,
-    tracker: Any,
-    train_rows: Any,
-    eval_rows: Any,
-    rewards: Any = None,
-    eval_repeats: int = 1,
-) -> RunContext:
-    """The run around its three roles: prompt stream, buffer, orchestrator, loop thread,
-    evaluator, checkpoints and metric rows, each configured from its own section, and the
-    session's parts (`session/`). `rewards`, the builder's `RewardRunner` if any, is closed
-    with the run."""
-    prompts = PromptStream(train_rows, cfg.seed)
-    buffer = _buffer(cfg, prompts)
-    orchestrator = _orchestrator(cfg, builder, buffer, prompts)
-    loop = LoopThread()
-    weight_dtype = getattr(torch, cfg.engine.resolved_dtype())
-    activity, clock = Activity(tracker), RunClock(cfg.max_time_s)
-    link = EngineLink(
-        engine, loop, trainer, buffer, activity, weight_dtype, cfg.coordinator.sync_mode
-    )
-    evaluator = _evaluator(cfg, builder, eval_rows, loop, tracker, eval_repeats, link.landed)
-    checkpoints = Checkpointer(
-        trainer,
-        run_dir,
-        cfg.checkpoint_steps,
-        cfg.save_weights_steps,
-        weight_dtype,
-        keep=cfg.save_total_limit,
-    )
-    status = PipelineStatus(activity, buffer, orchestrator, link, trainer, rewards)
-    batches = BatchWaiter(
-        buffer, orchestrator, link, clock, activity, cfg.rollout.request_timeout_s, status.report
-    )
-    return RunContext(
-        cfg=cfg,
-        run_dir=run_dir,
-        loop=loop,
-        link=link,
-        buffer=buffer,
-        prompts=prompts,
-        orchestrator=orchestrator,
-        trainer=trainer,
-        evaluator=evaluator,
-        checkpoints=checkpoints,
-        rows=StepRows(tracker, buffer, builder, advantage=cfg.advantage),
-        tracker=tracker,
-        activity=activity,
-        clock=clock,
-        batches=batches,
-        status=status,
-        closers=[rewards.close] if rewards is not None else [],
-        rewards=rewards,
-    )
-
-
-def _orchestrator(
-    cfg: RunConfig, builder: GroupBuilder, buffer: RolloutBuffer, prompts: PromptStream
-) -> Orchestrator:
-    r = cfg.rollout
-    return Orchestrator(
-        builder,
-        buffer,
-        prompts,
-        filter_zero_variance=r.filter_zero_variance,
-        max_concurrent_groups=r.max_concurrent_groups,
-        on_reward_error=r.reward_error_policy,
-    )
-
-
-def _evaluator(
-    cfg: RunConfig,
-    builder: GroupBuilder,
-    rows: Any,
-    loop: LoopThread,
-    tracker: Any,
-    repeats: int,
-    landed: Callable[[], Awaitable[None]],
-) -> Evaluator:
-    return Evaluator(
-        builder,
-        rows,
-        loop,
-        tracker,
-        landed=landed,
-        every=cfg.eval_steps,
-        limit=cfg.eval_limit,
-        repeats=repeats,
-        timeout_s=cfg.rollout.request_timeout_s,
-    )
-
-
-def _buffer(cfg: RunConfig, prompts: PromptStream) -> RolloutBuffer:
-    c = cfg.coordinator
-    ahead = c.max_ahead_batches
-    return RolloutBuffer(
-        c.batch_groups,
-        c.max_staleness,
-        on_group_end=prompts.done,  # a prompt whose group ended is never served again
-        max_ahead=None if ahead is None else math.ceil(ahead * c.batch_groups),
-    )

@@ -139,7 +139,7 @@ class TrainerConfig(Section):
     """torch threads of the trainer process (of each rank)."""
     borrow_engine_threads: bool | Literal["auto"] = "auto"
     """While the engine on this machine has nothing to compute, run the trainer with its
-    threads too (`core_share.py`): on 2 cores with the default recipe the engine idles
+    threads too (`inference/core_share.py`): on 2 cores with the default recipe the engine idles
     ~50% of the time, and borrowing made the run 1.14x faster (median of 3 pairs).
     `auto` (or `true`): on for one trainer process on a CPU beside one embedded engine
     started by the run (not under Ray, replicas or an external server); `false`: off."""

@@ -8,7 +8,7 @@ interrupted. This class adds what only the set needs:
   clients (least outstanding work, episode affinity);
 - weight syncs go to every member at once, each tried once: a member that dies
   or stalls in its sync is restarted in the background and skipped (the run
-  lands syncs while the trainer steps, `session/engine_link.py`, so a death can
+  lands syncs while the trainer steps, `run/session/engine_link.py`, so a death can
   come in any sync), and only a member that cannot come back ends the run;
 - a health watcher on the rollout loop probes every member each
   `health_period_s` (and so do `revive` and `sync_weights`). A member that

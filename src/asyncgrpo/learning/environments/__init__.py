@@ -3,7 +3,7 @@
 Each shape becomes an `EpisodeSource`: a rollout function that drives the environment
 through the episode gateway (so the trained tokens are the engine's own, and tool or
 observation tokens carry no loss), optionally a `GroupScorer` that rewards a whole group
-at once, and rows when the environment brings its own dataset. `wiring` asks
+at once, and rows when the environment brings its own dataset. `run/build.py` asks
 `episode_source` for one and builds an `EpisodeGroupBuilder` from it; the rest of the
 run (buffer, trainer, staleness) does not know where the episodes came from.
 

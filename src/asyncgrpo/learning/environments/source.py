@@ -1,4 +1,4 @@
-"""What every environment adapter returns to `wiring`: an `EpisodeSource`.
+"""What every environment adapter returns to `run/build.py`: an `EpisodeSource`.
 
 Its own module so the adapters (`trl`, `openenv`, `verifiers`) import it without importing
 the package's dispatch, which imports them.

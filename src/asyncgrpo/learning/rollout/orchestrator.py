@@ -1,6 +1,6 @@
 """The orchestrator: turns prompt rows into scored, version-stamped groups, forever.
 
-It runs on the rollout loop. The producer in `run.py` waits for the buffer's
+It runs on the rollout loop. The producer in `run/loop.py` waits for the buffer's
 admission throttle and calls `start_next`, which takes the next prompt row and
 starts one task for its group; the task asks the `GroupBuilder` for the scored
 group and hands it to the buffer, or discards it there with a reason (zero

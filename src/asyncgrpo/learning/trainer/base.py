@@ -2,7 +2,7 @@
 
 `PolicyTrainer` (`policy_trainer.py`) is the one-process implementation (a LoRA model
 included); `data_parallel.DataParallelTrainer` is rank 0 of several processes. The loop in
-`run.py` sees only these verbs.
+`run/loop.py` sees only these verbs.
 """
 
 from __future__ import annotations

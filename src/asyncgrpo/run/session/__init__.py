@@ -1,6 +1,6 @@
 """One session of a training run, around the roles: each part owns one concern.
 
-`run_context.RunContext` holds them for the loop in `run.py`:
+`run/context.py`'s `RunContext` holds them for the loop in `run/loop.py`:
 
 - `Activity`: what the trainer's thread is doing now (the watchdog reports it);
 - `EngineLink`: the trainer's side of the engine (start, revive, weight syncs);
@@ -8,7 +8,7 @@
 - `BatchWaiter`: the wait for the next batch, under its deadlines;
 - `PipelineStatus`: what every stage is doing, for the watchdog and error messages.
 
-The ledger of group outcomes belongs to the buffer (`coordinator/ledger.py`).
+The ledger of group outcomes belongs to the buffer (`learning/coordinator/ledger.py`).
 A resumed run is a new session of the same run.
 """
 
