@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import os
 import sys
 import tempfile
 from pathlib import Path
 
 from asyncgrpo.base.config import ConfigError, EmbeddedEngineConfig, ModelConfig, build_config
+from asyncgrpo.base.ports import is_loopback
 
 TOKEN_ENV = "ASYNCGRPO_ADMIN_TOKEN"
 # EmbeddedEngineConfig fields that describe how a run reaches or launches its engines, not
@@ -252,7 +252,7 @@ def serve_model(args: argparse.Namespace, cfg: EmbeddedEngineConfig, name: str) 
 
     engine, generating_with = build_engine(cfg)
     settings = ServerSettings.from_config(cfg, admin_token=token, default_name=name)
-    if not _is_loopback(args.host):
+    if not is_loopback(args.host):
         print(f"warning: binding {args.host}: the OpenAI routes are reachable from the network")
     print(
         f"asyncgrpo serve: {settings.served_model_name} ({generating_with}, max_model_len "
@@ -314,13 +314,6 @@ def build_engine(cfg: EmbeddedEngineConfig):
         return Engine(cfg), cfg.resolved_dtype()
     except Exception as exc:
         raise CliError(f"cannot load model from {cfg.model}: {type(exc).__name__}: {exc}") from None
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def main(argv: list[str] | None = None) -> int:

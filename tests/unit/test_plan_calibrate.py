@@ -146,3 +146,46 @@ def test_cli_shares_one_hosts_cores_among_the_roles(run_dir, tmp_path):
     assert main(["--from", str(path), "--staleness", "1", "--steps", "12", "--json", str(out)]) == 0
     (own,) = json.loads(out.read_text())["rows"]
     assert rates["1"] < rates["2"] == pytest.approx(own["samples_per_s"], rel=1e-9)
+
+
+def test_a_field_the_run_left_out_takes_the_runs_default_not_the_planners(tmp_path):
+    from asyncgrpo.base.config import EmbeddedEngineConfig, RunConfig
+    from asyncgrpo.plan.calibrate import run_layout
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"coordinator": {"batch_groups": 3}}))
+    layout = run_layout(tmp_path)
+    defaults = RunConfig()
+    assert layout.batch_groups == 3
+    assert layout.max_num_seqs == EmbeddedEngineConfig().max_num_seqs
+    assert layout.max_staleness == defaults.coordinator.max_staleness
+    assert layout.num_generations == defaults.rollout.num_generations
+    assert layout.trainer_threads == defaults.trainer.num_threads
+
+
+def test_a_vllm_runs_batch_is_its_max_num_seqs_argument(tmp_path):
+    from asyncgrpo.plan.calibrate import VLLM_MAX_NUM_SEQS, run_layout
+
+    engine = {"type": "vllm", "replicas": 2, "vllm_args": ["--max-num-seqs", "96"]}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"engine": engine}))
+    layout = run_layout(tmp_path)
+    assert (layout.engines, layout.max_num_seqs) == (2, 96)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"engine": {"type": "vllm"}}))
+    assert run_layout(tmp_path).max_num_seqs == VLLM_MAX_NUM_SEQS
+
+
+def test_a_config_the_models_reject_is_a_plan_input_error_naming_the_field(tmp_path):
+    from asyncgrpo.plan.calibrate import run_layout
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"coordinator": {"batch_groupz": 3}}))
+    with pytest.raises(PlanInputError, match="batch_groupz"):
+        run_layout(tmp_path)
+
+
+def test_reading_a_runs_layout_loads_no_torch(tmp_path):
+    write_run(tmp_path / "run", [[10, 11, 12, 13, 14, 15, 16, 17]] * 3)
+    code = (
+        "import sys; from asyncgrpo.plan.calibrate import run_layout; "
+        f"run_layout(__import__('pathlib').Path({str(tmp_path / 'run')!r})); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

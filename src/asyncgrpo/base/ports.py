@@ -1,12 +1,14 @@
-"""A free TCP port for a server or process group this run starts.
+"""Ports and addresses: a free TCP port, and whether an address stays on this host.
 
 Its own module at the bottom of the package: the engine process, the vLLM launcher and
-NCCL group, and the trainer's rank store all need one, and none of them should import
-another to get it.
+NCCL group, and the trainer's rank store all need a port, and the servers and the config
+all ask whether a host is loopback before they warn or refuse; none of them should import
+another to get either.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
@@ -16,3 +18,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1, bracketed `[::1]`)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -36,28 +36,44 @@ def _jsonl(path: Path) -> list[dict]:
         raise PlanInputError(f"cannot read {path}: {exc}") from None
 
 
+# vLLM's own default for `--max-num-seqs`: what a vLLM engine batched unless `vllm_args` said
+VLLM_MAX_NUM_SEQS = 256
+
+
 def run_layout(run_dir: Path) -> Deployment:
-    """The layout recorded in the run's `config.yaml`."""
-    import yaml
+    """The layout recorded in the run's `config.yaml`, read through the config models: a field
+    the file leaves out takes the default the run had, not one of the planner's own."""
+    from asyncgrpo.base.config import ConfigError, load_config
 
     try:
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise PlanInputError(f"cannot read {run_dir / 'config.yaml'}: {exc}") from None
-    coord, engine = cfg.get("coordinator", {}), cfg.get("engine", {})
+        cfg = load_config(run_dir / "config.yaml")
+    except ConfigError as exc:
+        raise PlanInputError(str(exc)) from None
+    coord, engine = cfg.coordinator, cfg.engine
     return Deployment(
-        engines=int(engine.get("replicas", 1)),
-        trainer_ranks=int(cfg.get("trainer", {}).get("num_processes", 1)),
-        max_staleness=int(coord.get("max_staleness", 2)),
-        max_ahead_batches=coord.get("max_ahead_batches", 1.0),
-        batch_groups=int(coord.get("batch_groups", 4)),
-        num_generations=int(cfg.get("rollout", {}).get("num_generations", 8)),
-        sync_mode=coord.get("sync_mode", "keep"),
-        weight_sync_steps=int(coord.get("weight_sync_steps", 1)),
-        max_num_seqs=int(engine.get("max_num_seqs", 256)),
-        engine_threads=int(engine.get("num_threads") or 1),
-        trainer_threads=int(cfg.get("trainer", {}).get("num_threads") or 1),
+        engines=engine.replica_count,
+        trainer_ranks=cfg.trainer.num_processes,
+        max_staleness=coord.max_staleness,
+        max_ahead_batches=coord.max_ahead_batches,
+        batch_groups=coord.batch_groups,
+        num_generations=cfg.rollout.num_generations,
+        sync_mode=coord.sync_mode,
+        weight_sync_steps=coord.weight_sync_steps,
+        max_num_seqs=getattr(engine, "max_num_seqs", None) or _vllm_max_num_seqs(engine),
+        engine_threads=getattr(engine, "num_threads", None) or 1,
+        trainer_threads=cfg.trainer.num_threads,
     )
+
+
+def _vllm_max_num_seqs(engine) -> int:
+    """`--max-num-seqs N` (or `=N`) from a vLLM engine's `vllm_args`, else vLLM's default."""
+    args = list(getattr(engine, "vllm_args", []))
+    for i, arg in enumerate(args):
+        if arg.startswith("--max-num-seqs="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--max-num-seqs" and i + 1 < len(args):
+            return int(args[i + 1])
+    return VLLM_MAX_NUM_SEQS
 
 
 def _train_fit(rows: list[dict]) -> tuple[float, float]:

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from asyncgrpo.base.config.base import Section
+from asyncgrpo.base.ports import is_loopback
 
 Precision = Literal["auto", "bfloat16", "float32"]
 
@@ -344,15 +345,3 @@ def resolve_dtype(dtype: str) -> str:
     from asyncgrpo.base.hardware import cpu_has_native_bf16
 
     return "bfloat16" if torch.cuda.is_available() or cpu_has_native_bf16() else "float32"
-
-
-def is_loopback(host: str) -> bool:
-    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -34,8 +34,7 @@ from pathlib import Path
 import httpx
 
 from asyncgrpo.base.config import ConfigError, VLLMEngineConfig
-from asyncgrpo.base.config.engine import is_loopback
-from asyncgrpo.base.ports import free_port
+from asyncgrpo.base.ports import free_port, is_loopback
 from asyncgrpo.inference.engine.process import StartGuard
 
 logger = logging.getLogger(__name__)
