@@ -102,15 +102,17 @@ test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu tests/integration/test_cuda_trainer.py
 
 # ruff, then the import layers of pyproject.toml's [tool.importlinter] (this checkout's src,
-# whichever checkout the venv was installed from).
+# whichever checkout the venv was installed from), then tools/check_words.py: comments and
+# documents speak of the product, not of the work that made it.
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/ruff format --check src tests benchmarks tools
 	PYTHONPATH=src $(BIN)/lint-imports --no-cache
+	$(BIN)/python tools/check_words.py
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests benchmarks
-	$(BIN)/ruff check --fix src tests benchmarks
+	$(BIN)/ruff format src tests benchmarks tools
+	$(BIN)/ruff check --fix src tests benchmarks tools
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py

@@ -303,8 +303,8 @@ class Fuzzer:
 class Bystander:
     """An ordinary client sending greedy completions in a loop while cases run.
 
-    Issue 17 saw one bad row fail its whole engine batch, so that an unrelated
-    request got a 500, and stop strings slow everyone down. What the bystander
+    One bad row once failed its whole engine batch, so that an unrelated request
+    got a 500, and stop strings once slowed everyone down. What the bystander
     meets is recorded against the case in flight at the time.
     """
 

@@ -3,10 +3,10 @@
 The schema says `n` is an integer and `temperature` a number; it does not say
 that `n = 321589181` once made the server allocate 24 GB, that `top_k = 2**63`
 overflowed inside sampling, that `temperature = 1e-40` produced NaN log-probs,
-or that a client-supplied chat template ran on the event loop. These values come
-from issue 17's probe and are mixed into small, otherwise valid requests, both
-as Hypothesis strategies and as named examples (one test each, so every failure
-shows by name).
+or that a client-supplied chat template ran on the event loop. These values, found by
+probing the server with hostile requests, are mixed into small, otherwise valid
+requests, both as Hypothesis strategies and as named examples (one test each, so
+every failure shows by name).
 
 Generation requests keep `max_tokens` small unless `max_tokens` is the value
 under test, so the suite's time stays bounded.

@@ -8,7 +8,7 @@ Three sources of cases, about 2,000 in all:
   and with an open episode's key;
 - Hypothesis strategies of generation requests, valid ones with up to three
   fields made hostile (`fuzz_inputs`), on both OpenAI routes and an episode's;
-- named examples from issue 17's probe, one test each.
+- named examples of the hostile requests that once hurt the server, one test each.
 
 While generation cases run, a bystander client sends ordinary requests: one
 bad row must not fail or stall anyone else's.

@@ -1,6 +1,6 @@
-"""Hostile request bodies (issue 17, fixes 1-9): each is refused at the protocol layer with
-a 400 that names the field and the limit, before anything big is allocated or run on the
-event loop, and the server goes on serving everyone else.
+"""Hostile request bodies: each is refused at the protocol layer with a 400 that names the
+field and the limit, before anything big is allocated or run on the event loop, and the
+server goes on serving everyone else.
 
 One `asyncgrpo serve` child process on the tiny model (max_model_len 512) serves the
 module; the keep-alive test runs the app in-process under uvicorn to inject a fault.

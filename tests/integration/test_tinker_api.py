@@ -211,7 +211,8 @@ def test_sampling_completes_while_a_long_forward_backward_runs(service, base_mod
 
 
 def _reference_loss(name: str, tlp, slp, adv, config, seq_mask=None):
-    """Tinker's losses written out from ../shared/TINKER.md (sum over tokens), in torch."""
+    """Tinker's documented losses written out in torch (sum over tokens), apart from
+    `asyncgrpo.tinker.losses`."""
     ratio = torch.exp(tlp - slp)
     lo, hi = config.get("clip_low_threshold"), config.get("clip_high_threshold")
     if name == "importance_sampling":

@@ -1,5 +1,5 @@
 """TRL's quickstart, ported by renaming the two classes, runs unchanged on SmolLM2 (the
-issue's script, TRL's default num_generations included), its export is the last
+script as TRL publishes it, its default num_generations included), its export is the last
 checkpoint's trained policy, and it loads in transformers with the engine's own greedy
 output (fp32)."""
 

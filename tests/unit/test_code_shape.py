@@ -1,6 +1,6 @@
 """The package stays readable: small files, classes and functions, one meaning per class name.
 
-The bounds are the project's (issue 27): no file over 450 lines, no class over 250, no
+The bounds are the project's: no file over 450 lines, no class over 250, no
 function over 60, and no two public classes of the package with the same name (a
 newcomer reading `Sample` should not have to ask which one). The scripts under
 `benchmarks/` are read as often as the package and keep the same three size bounds; the

@@ -1,7 +1,8 @@
-"""Collectives run only on the thread that joined the trainer's process group (REFERENCE.md,
-bug 11): each wrapper that issues one refuses a background thread before it communicates,
-so no process group is needed here. That the real paths run on the right thread is shown
-by the 2-rank tests in tests/integration/test_data_parallel.py, which pass through them.
+"""Collectives run only on the thread that joined the trainer's process group (one issued
+from another thread can deadlock the ranks): each wrapper that issues one refuses a
+background thread before it communicates, so no process group is needed here. That the
+real paths run on the right thread is shown by the 2-rank tests in
+tests/integration/test_data_parallel.py, which pass through them.
 """
 
 from __future__ import annotations

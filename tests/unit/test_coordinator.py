@@ -17,7 +17,7 @@ class G:
 
 
 def test_budget_never_empty_at_staleness_zero():
-    # Bug 5 of the anchors: staleness * batch == 0 stalls. Here one batch per version is admitted.
+    # A budget of staleness * batch would be 0 here and stall; one batch per version is admitted.
     assert admission_budget(engine_version=0, max_staleness=0, batch_groups=4, consumed=0) == 4
     assert admission_budget(engine_version=3, max_staleness=0, batch_groups=4, consumed=12) == 4
     # the engine lagging one version behind the trainer shrinks the budget

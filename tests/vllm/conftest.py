@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("ASYNCGRPO_VLLM_PYTHON", str(REPO / ".venv-vllm" / "bin" / "python"))
 TEST_SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: plenty, and small
 
-# Seconds each module took under `make test-vllm` with two workers (2-core Xeon, stop 46;
-# setup, calls and teardown; the mean of two runs, which differed by up to 25%).
+# Seconds each module took under `make test-vllm` with two workers (2-core Xeon; setup,
+# calls and teardown; the mean of two runs, which differed by up to 25%).
 MODULE_SECONDS = {
     "test_vllm_backend.py": 476,
     "test_vllm_lora.py": 284,

@@ -5,7 +5,8 @@ time). Bodies are size-limited before routing (`asyncgrpo.inference.server.limit
 server cannot even decode is answered 400 with `{"error", "category": "user"}`, which
 the SDK raises at once; a decoded request that is wrong still takes its place in its
 model's `seq_id` order and fails as a user error through its future, so the requests
-queued behind it run. Routes and shapes: ../shared/TINKER.md.
+queued behind it run. The routes and their bodies are the ones the SDK's resources call
+and its types validate (`tinker.resources`, `tinker.types`); `wire.py` tabulates them.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ except through the client's own numbers (a zero advantage or weight) and the pad
 a micro-batch. So a loss over several micro-batches or calls is the sum of their losses,
 and the gradient a client asks for is exactly the one it gets. Definitions, with `tlp`
 the learner's log-prob of each target token, `slp` the sampler's (`logprobs` input), `A`
-the advantages and `r = exp(tlp - slp)` (../shared/TINKER.md, "Losses"):
+the advantages and `r = exp(tlp - slp)` (Tinker's documented losses, as SDK 0.38 names
+them and their `loss_fn_config` keys):
 
 - `cross_entropy`: -Σ tlp·weights (weights may be negative);
 - `importance_sampling`: -Σ r·A;

@@ -1,6 +1,6 @@
 """The orchestrator's only way to reach an inference engine: an async HTTP client.
 
-It speaks the engine protocol of DESIGN.md — OpenAI routes plus vLLM's RL
+It speaks the engine protocol — OpenAI routes plus vLLM's RL
 control routes — so the same client drives the embedded engine and a vLLM
 server. Generation goes through `/v1/completions` with token-id prompts and
 `return_token_ids`, so training never re-tokenizes text; every sample comes back

@@ -27,7 +27,7 @@ over replicas while its state lives in one replica's gateway. A weight sync
 must pause, update and resume each replica, so the trainer calls the replicas
 directly anyway, and would keep a second view of their health beside the
 router's. Its load-aware policies had open bug reports when read: `power_of_two`
-polls `/get_load`, which vLLM does not serve (issue #174), and ignores the
+polls `/get_load`, which vLLM does not serve (vllm-project/router#174), and ignores the
 router's own in-flight counts (#177); the periodic health check resets the
 per-worker load counters (#197). And it is one more process to supervise.
 Balancing here takes no process and counts outstanding work exactly.

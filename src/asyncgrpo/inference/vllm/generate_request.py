@@ -17,9 +17,9 @@ The rules:
   whatever its rank (the gateway re-ranks), capped at the server's `max_logprobs`.
   Empty stop lists are left out.
 - **Seed.** A seed is sent only to a server on an accelerator (`seeds_are_safe`):
-  on a CPU a per-request seed kills vLLM's engine as soon as that prompt is
-  prefilled in chunks (REFERENCE.md, "vLLM 0.32 on a CPU"), and a server whose
-  device is unknown counts as a CPU. What happens to a seed that may not be sent
+  on a CPU a per-request seed kills vLLM's engine (0.32's CPU backend) as soon as
+  that prompt is prefilled in chunks, and a server whose device is unknown counts
+  as a CPU. What happens to a seed that may not be sent
   is the caller's contract, decided before the body is built: the trainer's seeds
   are derived from the recipe's seed, a wish the run can live without (dropped,
   with one warning); an API caller asked for its seed explicitly and must not be

@@ -23,7 +23,8 @@ Where this departs from the embedded engine:
   number asked for; one more is asked for and the list is re-ranked, so a
   request for `k` gets vLLM's top `k` (at most vLLM's `max_logprobs` are asked).
 - A per-request `seed` is refused (400) unless vLLM runs on an accelerator: on
-  a CPU it kills vLLM's engine (REFERENCE.md, "vLLM 0.32 on a CPU").
+  a CPU it kills vLLM's engine (vLLM 0.32's CPU backend, once the prompt is
+  prefilled in chunks).
 - Pausing and weight updates belong to vLLM itself (the trainer drives them
   there); the control routes refuse them on a gateway.
 - A consumer that goes away cancels the HTTP request to vLLM; the closed

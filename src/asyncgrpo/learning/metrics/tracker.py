@@ -23,8 +23,8 @@ step a second time. The run clock continues from
 the last kept `time_s`, so wall-clock axes measure training time, not downtime.
 
 Aggregation (`aggregate_metrics`) takes the union of keys across rows and
-NaN-aware means — the anchors keyed batches by their first sample and lost
-keys the first sample lacked (REFERENCE.md, bug 3).
+NaN-aware means: keying a batch by its first sample would lose the keys
+that sample lacks.
 """
 
 from __future__ import annotations

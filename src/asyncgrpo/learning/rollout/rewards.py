@@ -27,7 +27,8 @@ Outputs are checked: one finite number or None per completion; NaN means None
 length, a string, an exception, a crashed worker — raises `RewardFunctionError` naming
 the function, with the original exception chained; the orchestrator counts it
 and drops the group (`rollout.reward_error_policy: drop_group`) or stops the run
-(`abort`). It is never turned into a reward of 0 (REFERENCE.md, bug 15).
+(`abort`). It is never turned into a reward of 0, which would train the policy on a
+failure as if it were a score.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Every generator is deterministic for a seed, needs no download, and returns up t
 `count` distinct rows (fewer when its space of distinct prompts is smaller); the
 rows carry the columns their reward functions read. The tasks are sized for a
 135M model on a CPU: one-line prompts, answers of a few tokens. Which of them
-the model can learn quickly was chosen by measuring base rates, as REFERENCE.md
-advises (`benchmarks/base_rate.py`; SmolLM2-135M-Instruct, bf16 engine, 32
-held-out prompts x 8 samples at temperature 1, plus one greedy answer each):
+the model can learn quickly was chosen by measuring base rates first, since a
+group whose samples all score alike teaches GRPO nothing
+(`benchmarks/base_rate.py`; SmolLM2-135M-Instruct, bf16 engine, 32 held-out
+prompts x 8 samples at temperature 1, plus one greedy answer each):
 
 | task (reward)                        | sampled | greedy | groups with variance | tokens |
 |--------------------------------------|---------|--------|----------------------|--------|

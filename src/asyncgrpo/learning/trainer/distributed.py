@@ -111,7 +111,7 @@ def _join(store: dist.Store, rank: int, size: int, timeout_s: float) -> None:
 def require_collective_thread(what: str) -> None:
     """Raise unless this is the thread that joined the process group (the main thread
     before one is joined). Every rank must issue its collectives in one order, from one
-    thread: one on a background thread can deadlock the ranks (REFERENCE.md, bug 11)."""
+    thread: one on a background thread can deadlock the ranks."""
     owner = _collective_thread or threading.main_thread()
     here = threading.current_thread()
     if here is not owner:

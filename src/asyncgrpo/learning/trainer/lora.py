@@ -5,7 +5,7 @@ frozen and only the low-rank factors A (r, in) and B (out, r) train. At each syn
 trainer publishes the factors alone, under peft's saved names
 (`get_peft_model_state_dict`, no adapter name inside), with the scale alpha/r baked
 into B, so that every engine applies the same update `W + B @ A` without knowing the
-recipe's alpha (the shared convention of issue 19).
+recipe's alpha (one convention for every engine backend).
 
 peft is imported lazily: the core installs without it, and a run without `model.lora`
 never imports it.

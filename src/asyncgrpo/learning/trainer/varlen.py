@@ -68,7 +68,7 @@ def varlen_dtype(query: torch.Tensor) -> torch.dtype | None:
     Under autocast the queries reach attention in float32 (RoPE multiplies the bf16
     projections by float32 cos/sin) while sdpa would attend in the autocast dtype, so the
     varlen path casts to it as sdpa does. Checking the queries' own dtype instead sent
-    every autocast step to the per-segment path (the H100 slowdown of stop 36)."""
+    every autocast step to the per-segment path (measured 2.8x slower than `mask` on an H100)."""
     if query.dtype in HALF_DTYPES:
         return query.dtype
     device = query.device.type
