@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import openai
 
-from asyncgrpo.base.episode import StopReason
-from asyncgrpo.learning.agents.runner import LLM, Result
-from asyncgrpo.learning.agents.tools import ToolBox
+from asyncgrpo.learning.agents import LLM, Result, StopReason, ToolBox
 from asyncgrpo.learning.tasks.calculator import calculator, contains_answer
 
 MAX_TURNS = 3
