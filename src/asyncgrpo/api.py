@@ -9,14 +9,14 @@
 when it is a top-level field (`name`, `seed`, `max_steps`) or unique across sections
 (`learning_rate`, `max_staleness`, `num_generations`, ...), by its dotted path
 (`"engine.num_threads"`), or by TRL's `GRPOConfig` name (`max_completion_length`,
-`loss_type`, `save_steps`, ...: `config/trl_names.py`), and validates exactly like a
+`loss_type`, `save_steps`, ...: `base/config/trl_names.py`), and validates exactly like a
 YAML recipe, with the same did-you-mean errors, every mistake in one error.
 
 `AsyncGRPOTrainer` takes TRL's arguments: a model name, directory or object (with
 `processing_class`, its tokenizer), reward functions (callables, built-in names or
 dotted paths), and a `datasets.Dataset`, `DatasetDict` (its `train` split), list of
 dicts or data file path, and TRL's `tools=[fn, ...]` and `environment_factory=Cls` (or
-`{name: Cls}`), run as episodes through the engine's gateway (`environments/trl.py`).
+`{name: Cls}`), run as episodes through the engine's gateway (`learning/environments/trl.py`).
 They are checked before the engine starts. `save_model(dir)`
 exports the trained policy as a Hugging Face directory.
 """
@@ -76,7 +76,7 @@ class AsyncGRPOTrainer:
 
     def _check_environment(self) -> None:
         """TRL's `tools=` / `environment_factory=`, checked now rather than at the first
-        episode (`environments/trl_classes.py`)."""
+        episode (`learning/environments/trl_classes.py`)."""
         from asyncgrpo.learning.environments.trl_classes import check_tools, read_environments
 
         check_tools(self.tools)

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asyncgrpo plan", description=__doc__.split("\n\n")[0])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--from", dest="run_dir", type=Path, help="calibrate from this run")
-    source.add_argument("--costs", type=Path, help="a YAML cost model (README, Planning a run)")
+    source.add_argument("--costs", type=Path, help="a YAML cost model (docs/planner.md)")
     p.add_argument("--engines", type=_ints, help="engine replicas, e.g. 1,2,4")
     p.add_argument("--trainer-ranks", type=_ints, help="trainer processes, e.g. 1,2")
     p.add_argument("--staleness", type=_ints, help="coordinator.max_staleness values")

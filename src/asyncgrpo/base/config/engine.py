@@ -29,7 +29,7 @@ class EngineSettings(Section):
     type: Literal["embedded", "external", "vllm"] = "embedded"
     """`embedded`: start `asyncgrpo serve` as a child process. `external`: use a running
     asyncgrpo server at `base_url`. `vllm`: a vLLM server, launched by asyncgrpo or, with
-    `base_url`, attached to (README, "Training with vLLM")."""
+    `base_url`, attached to (docs/vllm.md)."""
     startup_timeout_s: float = Field(600.0, gt=0)
     """How long to wait for the engine to become healthy (model load included)."""
     sync_timeout_s: float = Field(300.0, gt=0)

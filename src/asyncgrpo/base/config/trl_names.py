@@ -147,7 +147,7 @@ def _use_vllm(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
         note = "use_vllm: vLLM runs as a server process asyncgrpo launches (engine.type vllm)"
         return {"engine.type": "vllm"}, note
     return {"engine.type": "vllm", "engine.base_url": _server_url(ctx)}, (
-        "vllm_mode server: attaches to a vLLM server started as README 'Training with vLLM' "
+        "vllm_mode server: attaches to a vLLM server started as docs/vllm.md "
         "says (TRL's `trl vllm-serve` has other routes)"
     )
 

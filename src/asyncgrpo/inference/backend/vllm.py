@@ -154,8 +154,7 @@ class VLLMBackend:
             raise EngineDied(
                 f"the vLLM server at {self.client.base_url} has weight-transfer backend "
                 f"{backend!r}, not {weight_backend(self.cfg)!r}: start it with the arguments "
-                "and environment `asyncgrpo.inference.vllm.launcher.VLLMServer` uses (README, "
-                '"Training with vLLM")'
+                "and environment `asyncgrpo.inference.vllm.launcher.VLLMServer` uses (docs/vllm.md)"
             )
         if self.cfg.max_lora_rank is not None and not config.get("lora_config"):
             raise EngineDied(
