@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 UV_VERSION := 0.13.9
 uv_install = $(1)/uv pip install -q --system-certs --compile-bytecode --python $(1)/python
 
-.PHONY: demo test test-heavy test-all test-slow test-fuzz test-vllm test-ray test-cookbook cookbook-venv test-gpu lint format bench bench-e2e clean
+.PHONY: demo test test-heavy test-all test-slow test-fuzz test-vllm test-ray test-cookbook cookbook-venv test-gpu lint format bench bench-e2e bench-table clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -105,14 +105,30 @@ test-gpu: $(STAMP)
 # whichever checkout the venv was installed from), then tools/check_words.py: comments and
 # documents speak of the product, not of the work that made it.
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks tools
-	$(BIN)/ruff format --check src tests benchmarks tools
+	$(BIN)/ruff check src tests benchmarks tools docs/hooks
+	$(BIN)/ruff format --check src tests benchmarks tools docs/hooks
 	PYTHONPATH=src $(BIN)/lint-imports --no-cache
 	$(BIN)/python tools/check_words.py
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests benchmarks tools
-	$(BIN)/ruff check --fix src tests benchmarks tools
+	$(BIN)/ruff format src tests benchmarks tools docs/hooks
+	$(BIN)/ruff check --fix src tests benchmarks tools docs/hooks
+
+# The manual as a site: installs the `docs` extra into .venv and builds docs/ into build/site
+# (mkdocs.yml). --strict: a broken link or anchor, a page left out of the nav, or a name the
+# code does not have (docs/hooks/name_check.py) fails it. The configuration reference is
+# generated from the config models on every build (docs/hooks/config_reference.py), and the
+# benchmark results page from the result files first (`make bench-table`).
+# NO_MKDOCS_2_WARNING quiets the theme's notice about its successor.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(call uv_install,$(BIN)) -e '.[docs]'
+	touch $@
+
+.PHONY: docs
+docs: $(DOCS_STAMP)
+	$(MAKE) bench-table
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py
@@ -121,6 +137,11 @@ bench: $(STAMP)
 # trl==1.16.0 comes with the `dev` extra
 bench-e2e: $(STAMP)
 	$(BIN)/python benchmarks/end_to_end.py
+
+# docs/benchmarks/results.md: the latest result file of each benchmark on each machine kind
+# (benchmarks/results/), as Markdown tables. Standard library only: no environment needed.
+bench-table:
+	$(PY) benchmarks/table.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

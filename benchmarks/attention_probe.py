@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 from ceiling import head_dim, synchronize  # benchmarks/ on sys.path
+from result_files import SCRATCH, write_result
 from trainer_speed import add_batch_arguments, make_groups, model_config
 
-RESULTS = Path(__file__).parent / "results" / "attention_probe.json"
+RESULTS = SCRATCH / "attention_probe.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -259,6 +260,7 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2))
     print(f"wrote {args.out}")
+    write_result("attention_probe", record, argv)
     return 0
 
 

@@ -27,6 +27,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from result_files import write_result  # benchmarks/ is on sys.path
+
 from asyncgrpo.base.config import EmbeddedEngineConfig
 from asyncgrpo.inference.engine.engine import Engine
 from asyncgrpo.inference.engine.types import SamplingParams
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    write_result("base_rate", results, argv)
 
 
 if __name__ == "__main__":

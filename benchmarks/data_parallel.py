@@ -8,7 +8,7 @@ publish the weights, and a checkpoint. Every rank gets `--threads` torch threads
 ranks use twice the cores of one process: the step time shows how well the batch
 splits, the gather and checkpoint times what sharding costs. Trainer tokens/s (the
 prompt and completion tokens of a batch over its step time, median) is the scaling
-figure: printed, and written to `results/data_parallel.json` with the other columns.
+figure: printed, and written with the other columns to `--out` and a result file.
 Configurations run one after another, each in a fresh process group.
 
     .venv/bin/python benchmarks/data_parallel.py                 # SmolLM2-135M
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 import yaml
+from result_files import SCRATCH, write_result  # benchmarks/ is on sys.path
 
-RESULTS = Path(__file__).parent / "results" / "data_parallel.json"
+RESULTS = SCRATCH / "data_parallel.json"
 CONFIGS = [("1 process", 1, "ddp"), ("2 ranks ddp", 2, "ddp"), ("2 ranks fsdp", 2, "fsdp")]
 
 
@@ -167,10 +168,10 @@ def main(argv=None) -> int:
             f"{r['checkpoint_s']:>7.2f}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1)
-    )
+    record = {"args": vars(args) | {"out": str(args.out)}, "rows": rows}
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
+    write_result("data_parallel", record, argv)
     return 0
 
 

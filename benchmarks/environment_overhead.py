@@ -1,7 +1,7 @@
 """What each environment adapter costs per training step, against a native rollout doing
 the same work.
 
-For each shape of issue 29 (TRL's `environment_factory`, an OpenEnv server, a verifiers
+For each environment shape (TRL's `environment_factory`, an OpenEnv server, a verifiers
 environment) this trains its example recipe (`recipes/trl_environment.yaml`,
 `openenv_guess.yaml`, `verifiers_word_budget.yaml`) for a few steps two ways, alternating
 run by run (A B, B A, ...):
@@ -33,7 +33,7 @@ episodes end at the first reply (TRL, OpenEnv) or take the environment's two tur
 (verifiers), and per-tool-call costs are not exercised. `--model smollm2-135m` trains
 the examples' own model, which calls the tools (slower: minutes per run on CPU).
 
-    .venv/bin/python benchmarks/environment_overhead.py --out benchmarks/results/environment_overhead.json
+    .venv/bin/python benchmarks/environment_overhead.py
 
 (from the repository root; 18 runs of 6 steps: 3 to 6 minutes on 2 shared cores with the tiny model.)
 """
@@ -58,6 +58,7 @@ for path in (ROOT, Path(__file__).resolve().parent):  # `examples.*`, `environme
         sys.path.append(str(path))
 
 import environment_native  # noqa: E402
+from result_files import SCRATCH, write_result  # noqa: E402
 
 from asyncgrpo.base.config import build_config  # noqa: E402
 from asyncgrpo.learning.rollout import episodes as episodes_mod  # noqa: E402
@@ -274,9 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trainer-threads", type=int, default=1)
     parser.add_argument("--max-time-s", type=float, default=1200.0, help="per run")
     parser.add_argument("--work", type=Path, help="keep the runs here (default: a temporary dir)")
-    parser.add_argument(
-        "--out", type=Path, default=Path("benchmarks/results/environment_overhead.json")
-    )
+    parser.add_argument("--out", type=Path, default=SCRATCH / "environment_overhead.json")
     args = parser.parse_args(argv)
     args.shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in args.shapes if s not in SHAPES]
@@ -292,8 +291,10 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k != "model_dir"}
     settings |= {"out": str(args.out), "work": args.work and str(args.work)}
-    args.out.write_text(json.dumps(dict(settings=settings, runs=runs, summary=summary), indent=1))
+    record = dict(settings=settings, runs=runs, summary=summary)
+    args.out.write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
+    write_result("environment_overhead", record, argv)
 
 
 if __name__ == "__main__":

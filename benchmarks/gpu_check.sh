@@ -1,9 +1,10 @@
 #!/bin/bash
-# The GPU checks of one short device call (issue 32), in the order that matters if time
-# runs out: the GPU tests, then the trainer against the padded step on Qwen2.5-0.5B's
-# shape. Run from the repository root on a machine with one CUDA GPU and torch,
+# The GPU checks in one short call, in the order that matters if time runs out: the GPU
+# tests, then the trainer against the padded step on Qwen2.5-0.5B's shape, then attention
+# alone. Run from the repository root on a machine with one CUDA GPU and torch,
 # transformers and pytest installed; writes every table and JSON under $OUT (default
-# ./gpu_out). About 4 minutes on an H100, start-up not counted.
+# ./gpu_out), the benchmarks' result files under $OUT/results/<benchmark>/ (copy them into
+# benchmarks/results/ to keep them). About 4 minutes on an H100, start-up not counted.
 #
 #     OUT=/tmp/gpu bash benchmarks/gpu_check.sh
 #
@@ -18,6 +19,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD/src:$PWD/benchmarks:${PYTHONPATH:-}
+export ASYNCGRPO_RESULTS_DIR=${ASYNCGRPO_RESULTS_DIR:-$OUT/results}
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
 timeout 150 python3 -m pytest -q -m gpu tests/integration/test_cuda_trainer.py \

@@ -6,7 +6,7 @@ The head of a training step at SmolLM2-135M's shape (hidden 576, vocabulary 4915
 CPU with native bf16 (`--dtype float32` for CPUs without), log-probs and entropies
 and both gradients. The matmuls are the same in both systems; only the passes over
 each (512, V) chunk of logits differ. Prints the median seconds of each direction and
-writes them with every repeat to JSON.
+writes them with every repeat to a result file (and to `--out`, if given).
 
     .venv/bin/python benchmarks/head_passes.py --threads 2 --out /tmp/head_passes.json
 """
@@ -21,6 +21,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from result_files import write_result  # benchmarks/ is on sys.path
 
 from asyncgrpo.learning.trainer import fused_head
 from asyncgrpo.learning.trainer.logprobs import lm_head_token_logprobs
@@ -74,10 +75,11 @@ def main() -> int:
         rows[name] = {"forward_s": forward, "backward_s": backward, "total_s": total}
         print(f"{name:8s} {forward:10.3f} {backward:11.3f} {total:8.3f}")
     print(f"eager / fused total: {rows['eager']['total_s'] / rows['fused']['total_s']:.2f}x")
+    record = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "runs": seconds}
     if args.out:
-        record = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
-        args.out.write_text(json.dumps(record | {"runs": seconds}, indent=1))
+        args.out.write_text(json.dumps(record, indent=1))
         print(f"wrote {args.out}")
+    write_result("head_passes", record)
     return 0
 
 

@@ -40,7 +40,9 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "lora.json"
+from result_files import SCRATCH, write_result  # benchmarks/ is on sys.path
+
+RESULTS = SCRATCH / "lora.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -264,6 +266,7 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
+    write_result("lora", report, argv)
 
 
 if __name__ == "__main__":

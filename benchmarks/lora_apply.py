@@ -12,7 +12,7 @@ one thread):
 - per decode step: a decode-shaped (batch, hidden) x @ A.T @ B.T and its add, for
   every targeted linear, times the layers; against the measured decode step.
 
-    .venv/bin/python benchmarks/lora_apply.py --out benchmarks/results/lora_apply.json
+    .venv/bin/python benchmarks/lora_apply.py
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_files import SCRATCH, write_result  # benchmarks/ is on sys.path
 
 from asyncgrpo.base.config import EmbeddedEngineConfig
 from asyncgrpo.base.models import resolve_model
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--position", type=int, default=128, help="decode position")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--syncs", type=int, default=6)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lora_apply.json"))
+    parser.add_argument("--out", type=Path, default=SCRATCH / "lora_apply.json")
     args = parser.parse_args(argv)
 
     cfg = EmbeddedEngineConfig(model=str(resolve_model(args.model)), num_threads=1, max_num_seqs=64)
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
+    write_result("lora_apply", result, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The planner against runs on this machine (issue 30): calibrate on one run, predict others.
+"""The planner against runs on this machine: calibrate on one run, predict others.
 
 Trains the recipe four ways, one run after another (synchronous, staleness 1 — the
 calibration run —, staleness 2 without the look-ahead cap, two engine replicas at
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from e2e_report import read_metrics  # benchmarks/ is on sys.path
 from end_to_end import drop_weights, run_asyncgrpo
+from result_files import SCRATCH, write_result
 
 from asyncgrpo.plan import predict
 from asyncgrpo.plan.calibrate import calibrate
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=14, help="optimizer steps per run")
     p.add_argument("--from-step", type=int, default=5, help="first step of the steady state")
     p.add_argument("--shared-cores", type=float, default=float(os.cpu_count() or 1))
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "plan_runs")
+    p.add_argument("--out", type=Path, default=SCRATCH / "plan_runs")
     p.add_argument("--reuse", action="store_true", help="keep runs already on disk")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="on every run")
     args = p.parse_args(argv)
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"args": {k: str(v) for k, v in vars(args).items()}, "costs": vars(costs), "rows": rows}
     (args.out / "plan_against_runs.json").write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out / 'plan_against_runs.json'}")
+    write_result("plan_against_runs", out, argv)
     return 0
 
 

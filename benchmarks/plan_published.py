@@ -9,7 +9,7 @@ source), and predicts the synchronous and the asynchronous step with the planner
 only the YAML; the "published phases" row replaces its trainer and decode costs with the
 phase times of verl's *synchronous* runs (128 and 64 GPUs) and predicts the
 asynchronous one, so nothing is fitted to the number it predicts. Prints a markdown
-table (benchmarks/README.md, "Planner against published systems").
+table (docs/benchmarks/planner.md, "Against published systems").
 """
 
 from __future__ import annotations

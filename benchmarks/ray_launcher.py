@@ -39,9 +39,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
+from result_files import SCRATCH, write_result  # benchmarks/ is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results" / "ray_launcher.json"
+RESULTS = SCRATCH / "ray_launcher.json"
 LAUNCHERS = ("local", "ray (new)", "ray (same node)", "ray (other node)")
 ATTACHED = ("ray (same node)", "ray (other node)")  # they join the two-node cluster
 
@@ -175,6 +176,7 @@ def main(argv=None) -> int:
     record = {"steps": args.steps, "repeats": args.repeats, "median": summary, "runs": results}
     args.out.write_text(json.dumps(record, indent=1))
     print(f"\nwrote {args.out}")
+    write_result("ray_launcher", record, argv)
     return 0
 
 

@@ -16,11 +16,9 @@ Reports: answers by status (client-side errors by name), p50/p99 latency and
 time to first token per kind, completion tokens/s over the run, the server's
 resident memory (VmRSS) before, at its peak and after, how the idle and slow
 connections ended, /health latency during the load, and how long the engine's
-batch slots took to empty after the last client. Prints a table and writes
-benchmarks/results/server_load.json (server log beside it).
-
-Issue 17's figures on the old main: 512/512 served, p99 39 s, 286 tok/s,
-RSS 1.07 -> 1.54 GB (SmolLM2-135M).
+batch slots took to empty after the last client. Prints a table, writes
+runs/benchmarks/server_load.json (`--out`; server log beside it) and a result file in
+benchmarks/results/server_load/ (`result_files.py`).
 
   python benchmarks/server_load.py                                  # the full load
   python benchmarks/server_load.py --tiny --clients 16 --idle 10 --slow 5
@@ -43,9 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from result_files import SCRATCH, write_result  # benchmarks/ is on sys.path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 KINDS = ("chat-stream", "complete-n4", "disconnect")
 QUESTIONS = [
     "What is 17 + 25? Explain briefly.",
@@ -421,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--request-timeout", type=float, default=600.0, help="per client")
     parser.add_argument("--server-timeout", type=float, default=600.0, help="seconds to healthy")
-    parser.add_argument("--out", default=str(RESULTS / "server_load.json"))
+    parser.add_argument("--out", default=str(SCRATCH / "server_load.json"))
     args = parser.parse_args(argv)
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -443,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
+    write_result("server_load", report, argv)
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Does staleness cost learning? A grid of `asyncgrpo train` configurations over seeds
-(issue 31), each run scored afterwards on held-out rows by one evaluator.
+"""Does staleness cost learning? A grid of `asyncgrpo train` configurations over seeds,
+each run scored afterwards on held-out rows by one evaluator.
 
 A *cell* is a set of `--set` overrides on the recipe (task × staleness × correction × lr,
 or a named fix); a *run* is a cell on one seed (and, for the noise measurement, one
@@ -66,6 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import result_files
 from e2e_report import read_metrics, snapshots  # benchmarks/ is on sys.path
 from end_to_end import drop_weights, finished, run_asyncgrpo, score_weights
 from staleness_report import (
@@ -373,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-time-s", type=float, default=3600.0, help="per-run safety stop")
     p.add_argument("--keep-weights", action="store_true")
     p.add_argument("--report-only", action="store_true", help="tables from the results on disk")
-    p.add_argument("--out", default="benchmarks/results/staleness")
+    p.add_argument("--out", default="runs/benchmarks/staleness")
     p.add_argument("--set", dest="overrides", action="append", default=[], help="on every run")
     return p
 
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if not args.report_only:
         score(train_pending(runs, args), args)
-    report(args.stage, cells, args)
+    result_files.write_result("staleness_study", report(args.stage, cells, args), argv)
     return 0
 
 

@@ -15,7 +15,7 @@ Both ways send the new adapter to the engine once per step (the API when the inf
 sampler next samples, `direct` right after its optimizer step; counted there). Overhead =
 api / direct - 1, per phase and per step (medians over the steps).
 
-    .venv/bin/python benchmarks/tinker_overhead.py --out benchmarks/results/tinker_overhead.json
+    .venv/bin/python benchmarks/tinker_overhead.py
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -41,6 +42,10 @@ from asyncgrpo.learning.trainer.datums import AdamParams
 from asyncgrpo.tinker.app import create_app
 from asyncgrpo.tinker.build import build_service
 from asyncgrpo.tinker.wire import TinkerDatum
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run
+    sys.path.append(str(Path(__file__).resolve().parent))
+from result_files import SCRATCH, write_result  # noqa: E402
 
 KEY = "tml-benchmark"
 PHASES = ("sample_s", "forward_backward_s", "optim_step_s", "step_s")
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--engine-threads", type=int, default=1)
     parser.add_argument("--trainer-threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/tinker_overhead.json"))
+    parser.add_argument("--out", type=Path, default=SCRATCH / "tinker_overhead.json")
     args = parser.parse_args(argv)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     import tempfile
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             result = measure(tinker, service, url, args)
         finally:
             server.should_exit = True
-    report(result, args)
+    report(result, args, argv)
 
 
 def measure(tinker, service, url, args) -> dict:
@@ -185,7 +190,7 @@ def measure_with(client, service, tinker, args) -> dict:
     return ways
 
 
-def report(ways: dict, args) -> None:
+def report(ways: dict, args, argv: list[str] | None = None) -> None:
     medians = {
         way: {phase: statistics.median(t[phase] for t in runs) for phase in PHASES}
         for way, runs in ways.items()
@@ -201,6 +206,7 @@ def report(ways: dict, args) -> None:
     result = dict(settings=vars(args) | {"out": str(args.out)}, runs=ways, medians=medians)
     args.out.write_text(json.dumps(result | {"overhead": overhead}, indent=1) + "\n")
     print(f"wrote {args.out}")
+    write_result("tinker_overhead", result | {"overhead": overhead}, argv)
 
 
 if __name__ == "__main__":

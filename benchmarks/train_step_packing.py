@@ -43,8 +43,10 @@ import sys
 import time
 from pathlib import Path
 
+from result_files import SCRATCH, write_result  # benchmarks/ is on sys.path
+
 DEFAULT_VARIANTS = "padded,packed,packed_shared"
-RESULTS = Path(__file__).parent / "results" / "train_step_packing.json"
+RESULTS = SCRATCH / "train_step_packing.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -285,6 +287,7 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
+    write_result("train_step_packing", report, argv)
 
 
 if __name__ == "__main__":

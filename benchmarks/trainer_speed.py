@@ -57,8 +57,9 @@ from pathlib import Path
 
 import torch
 from ceiling import head_dim, linear_weights, matmul_tflops, synchronize  # benchmarks/ on sys.path
+from result_files import SCRATCH, write_result
 
-RESULTS = Path(__file__).parent / "results" / "trainer_speed.json"
+RESULTS = SCRATCH / "trainer_speed.json"
 SYSTEMS = ("asyncgrpo", "padded")
 
 
@@ -420,6 +421,7 @@ def main(argv=None) -> int:
     record |= {"bf16_autocast": bf16, "ceiling": ceiling, "rows": rows, "step_seconds": seconds}
     args.out.write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
+    write_result("trainer_speed", record, argv)
     return 0
 
 

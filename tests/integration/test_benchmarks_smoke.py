@@ -2,11 +2,13 @@
 
 These are smoke tests, not measurements: they run a script as its README shows it, with
 flags that shrink it to seconds, and check what it wrote, so that a benchmark cannot rot
-unseen (as `trl_baseline.py` did when a helper it imported moved). The vLLM systems run
+unseen (as `trl_baseline.py` did when a helper it imported moved). Each script's result
+file goes to the test's own folder (`ASYNCGRPO_RESULTS_DIR`), never among the recorded
+results in `benchmarks/results/`. The vLLM systems run
 in `tests/vllm/test_benchmarks_vllm.py` (`make test-vllm`), the Ray launchers and the
 2-rank trainers in the tests below marked `ray` and `heavy`. `vllm_env.sh` is the
-installer `make test-vllm` runs; `gpu_check.sh` needs a CUDA GPU (a device call runs it,
-and its steps are the scripts tested here).
+installer `make test-vllm` runs; `gpu_check.sh` needs a CUDA GPU (it runs on a machine
+with one, and its steps are the scripts tested here).
 """
 
 from __future__ import annotations
@@ -25,12 +27,29 @@ def read_json(path):
     return json.loads(path.read_text())
 
 
+@pytest.fixture(autouse=True)
+def results_dir(tmp_path, monkeypatch):
+    """Where the scripts write their result files (`benchmarks/result_files.py`) here."""
+    folder = tmp_path / "results"
+    monkeypatch.setenv("ASYNCGRPO_RESULTS_DIR", str(folder))
+    return folder
+
+
+def result_file(results_dir, benchmark: str) -> dict:
+    """The one result file the benchmark wrote: its figures and what produced them."""
+    (path,) = (results_dir / benchmark).glob("*.json")
+    record = read_json(path)
+    assert path.name == f"{record['date'][:10]}-{record['machine']['slug']}.json"
+    assert record["benchmark"] == benchmark and f"benchmarks/{benchmark}.py" in record["command"]
+    return record
+
+
 @pytest.fixture(scope="module")
 def tiny_recipe(tiny_model_dir, tmp_path_factory):
     return write_tiny_recipe(tmp_path_factory.mktemp("recipe"), tiny_model_dir)
 
 
-def test_engine_throughput(tmp_path):
+def test_engine_throughput(tmp_path, results_dir):
     out = tmp_path / "engine_throughput.json"
     run_benchmark_here(
         "engine_throughput.py",
@@ -54,9 +73,13 @@ def test_engine_throughput(tmp_path):
     assert all(0 < r["mfu"] < 1 for r in results.values())  # against the same run's matmul
     assert set(report["ceiling"]) == {"fixed64", "grpo256"}
     assert (tmp_path / "embedded.log").exists()
+    record = result_file(results_dir, "engine_throughput")
+    assert record["figures"]["results"] == report["results"]
+    assert record["headline"]["embedded fixed64 tok/s"] > 0
+    assert record["headline"]["fixed64 vs generate-bf16"] > 0
 
 
-def test_trainer_speed(tmp_path):
+def test_trainer_speed(tmp_path, results_dir):
     out, profile = tmp_path / "trainer_speed.json", tmp_path / "profile.txt"
     run_benchmark_here(
         "trainer_speed.py",
@@ -69,6 +92,9 @@ def test_trainer_speed(tmp_path):
     assert set(rows) == {"asyncgrpo", "eager-head", "other-autocast", "padded"}
     assert all(r["step_s"] > 0 and r["mfu"] > 0 for r in rows.values())
     assert "By input shape" in profile.read_text()
+    record = result_file(results_dir, "trainer_speed")
+    assert record["figures"]["rows"] == read_json(out)["rows"]
+    assert record["headline"]["MFU %"] > 0 and record["headline"]["vs padded"] > 0
 
 
 def test_attention_probe(tmp_path):
@@ -102,7 +128,7 @@ def test_server_load(tmp_path):
     assert (tmp_path / "server_load.log").exists()
 
 
-def test_base_rate(tmp_path, tiny_model_dir):
+def test_base_rate(tmp_path, tiny_model_dir, results_dir):
     out = tmp_path / "base_rate.json"
     run_benchmark_here(
         "base_rate.py",
@@ -115,9 +141,10 @@ def test_base_rate(tmp_path, tiny_model_dir):
     assert task["rewards"] == ["word_count_reward"]
     assert 0 < task["completion_tokens"] <= 4
     assert 0.0 <= task["sampled_reward"] <= 1.0 and 0.0 <= task["greedy_reward"] <= 1.0
+    assert result_file(results_dir, "base_rate")["headline"]["word_count sampled"] >= 0
 
 
-def test_head_passes(tmp_path):
+def test_head_passes(tmp_path, results_dir):
     out = tmp_path / "head_passes.json"
     run_benchmark_here(
         "head_passes.py", *("--rows", "96", "--repeats", "1", "--threads", "1", "--out", str(out))
@@ -125,6 +152,7 @@ def test_head_passes(tmp_path):
     result = read_json(out)
     assert set(result["rows"]) == {"eager", "fused"}
     assert all(row["forward_s"] > 0 and row["backward_s"] > 0 for row in result["rows"].values())
+    assert result_file(results_dir, "head_passes")["figures"]["rows"] == result["rows"]
 
 
 def test_lora_apply(tmp_path, tiny_model_dir):

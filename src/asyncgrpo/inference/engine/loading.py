@@ -34,7 +34,7 @@ def check_architecture(model_type: str, path: str) -> None:
     raise RequestError(
         f"{path}: model_type '{model_type}' is not one the embedded engine runs "
         f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))}). Train it with `engine.type: vllm` "
-        '(asyncgrpo launches a vLLM server; docs/vllm.md), or serve it with '
+        "(asyncgrpo launches a vLLM server; docs/vllm.md), or serve it with "
         "vLLM and front that server with `asyncgrpo serve --upstream-url URL`",
         500,
     )

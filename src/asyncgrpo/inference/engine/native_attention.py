@@ -3,7 +3,7 @@
 Why a kernel of our own? At decode, SmolLM2-135M attends 3 query heads per kv head over
 ~100 keys for each of 32 rows: PyTorch's CPU attention (the flash kernel, or two batched
 matmuls) spends a fixed setup per (row, head) larger than that arithmetic, ~30% of a
-bf16 decode step on a 2-core EPYC (benchmarks/README.md). The kernel is one loop per
+bf16 decode step on a 2-core EPYC (docs/benchmarks/profiles.md). The kernel is one loop per
 (row, kv head) over exactly the row's keys.
 
 It is compiled with the system's C compiler for this CPU (`-march=native`) into

@@ -25,7 +25,7 @@ prompt), so the work is Σ Lᵢ² rather than N². The CPU has no flash-attn var
 kernel; this is its equivalent. `benchmarks/train_step_packing.py` measures both.
 `trainer.attention` chooses: the segments on a CPU; on a GPU, where one kernel per layer
 beats many small ones, flash attention's variable-length kernel (`varlen.py`) under
-autocast, else the dense mask (`benchmarks/README.md`).
+autocast, else the dense mask (`docs/benchmarks/profiles.md`).
 Without the packing kwarg the function is plain sdpa, so the model keeps
 working for ordinary padded forwards. The per-segment calls are in `segments.py`.
 """

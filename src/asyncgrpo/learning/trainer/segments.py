@@ -118,7 +118,7 @@ def attend_segments(query, key, value, packed_segments, dropout, scaling) -> tor
     On a CPU the segments attend in float32 with autocast off: CPU autocast would cast
     sdpa's inputs to bf16, and torch's CPU flash kernel converts half inputs block by
     block; its backward on bf16 segments ran ~3x slower than on float32 ones
-    (`benchmarks/README.md`, trainer on CPU). The casts are N x D per head, small."""
+    (`docs/benchmarks/profiles.md`, the trainer on a CPU). The casts are N x D per head, small."""
     dtype = query.dtype
     if query.device.type != "cpu":
         return _sdpa_segments(query, key, value, packed_segments, dropout, scaling).to(dtype)

@@ -4,7 +4,7 @@ On a GPU the other two layouts of `packing.py` both lose: one sdpa call per segm
 bound by kernel launches, and one call over the packed row with a dense block mask
 computes all N² scores. Measured on an H100 with Qwen2.5-0.5B's shape and 16,384-token
 micro-batches, the masked attention's forward and backward took 63% of the step's GPU
-time (`benchmarks/trainer_speed.py --profile`, `benchmarks/README.md`). Flash
+time (`benchmarks/trainer_speed.py --profile`, `benchmarks/results/trainer_speed/`). Flash
 attention's variable-length kernel (`torch.nn.attention.varlen`) attends within each
 sequence of a concatenation in one launch, so the work is Σ Lᵢ².
 
