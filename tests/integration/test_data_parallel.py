@@ -160,6 +160,17 @@ def test_two_ranks_equal_one_process_with_kl_and_lora(tmp_path, strategy, sectio
     assert_two_ranks_equal_one_process(tmp_path, "dapo", strategy, **sections)
 
 
+@pytest.mark.parametrize(
+    "strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.heavy)], ids=["ddp", "fsdp"]
+)
+def test_two_ranks_share_the_whole_step_m2_mask(tmp_path, strategy):
+    """`trust_region: m2` masks by the whole step's squared log-ratios: each rank gathers
+    every rank's, so 2 ranks mask, train and log M2 as one process (τ = 8 masks about
+    half the tokens of these batches: the tiny model is far from their log-probs)."""
+    m2 = {"trust_region": "m2", "m2_threshold": 8.0}
+    assert_two_ranks_equal_one_process(tmp_path, "dapo", strategy, loss=m2)
+
+
 def assert_two_ranks_equal_one_process(tmp_path, aggregation, strategy, **sections):
     model_dir = save_tiny_model_dir(tmp_path / "model")
     extra = {"loss": sections.get("loss", {})}
@@ -200,8 +211,13 @@ def assert_two_ranks_equal_one_process(tmp_path, aggregation, strategy, **sectio
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
         if "kl" in a:
             assert b["kl"] == pytest.approx(a["kl"], abs=1e-8)
+        for key in ("m2_before", "m2_after", "m2_masked_fraction"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-9), key
     if "beta" in extra["loss"]:
         assert single_metrics[-1]["kl"] > 0
+    if "trust_region" in extra["loss"]:
+        assert all(0.1 < m["m2_masked_fraction"] < 0.9 for m in single_metrics)
 
 
 @pytest.mark.heavy

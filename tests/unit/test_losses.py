@@ -19,10 +19,44 @@ from asyncgrpo.base.config.training import LOSS_NAMES
 from asyncgrpo.learning.trainer.losses import LOSSES, LossConfig, LossInputs, compute_loss
 
 AGGREGATIONS = ["grpo", "bnpo", "dr_grpo", "dapo"]
-CORRECTIONS = ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+CORRECTIONS = [
+    "none",
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+    "masked_is",
+]
 
 
 # ---- the reference, in loops ------------------------------------------------------------
+
+
+def m2_reference(squares: list[float], tau: float) -> list[bool]:
+    """Which tokens M2PO keeps: drop the largest squared log-ratio, one at a time, while the
+    mean of the rest exceeds τ; the tokens tied with the last one dropped go with it."""
+    order = sorted(range(len(squares)), key=lambda j: -squares[j])
+    dropped = 0
+    while dropped < len(order):
+        rest = [squares[j] for j in order[dropped:]]
+        if math.fsum(rest) / len(rest) <= tau:
+            break
+        dropped += 1
+    if dropped == 0:
+        return [True] * len(squares)
+    last = squares[order[dropped - 1]]
+    return [value < last for value in squares]
+
+
+def m2_table(case: dict, tau: float) -> list[list[bool]]:
+    """The case's M2 mask over its own loss tokens, δ from π_prox, else π_θ's values."""
+    start = case["prox"] if case.get("prox") is not None else case["lp"]
+    cells = [(i, t) for i, row in enumerate(case["mask"]) for t, on in enumerate(row) if on]
+    squares = [(start[i][t] - case["engine"][i][t]) ** 2 for i, t in cells]
+    table = [[False] * len(row) for row in case["mask"]]
+    for (i, t), kept in zip(cells, m2_reference(squares, tau), strict=True):
+        table[i][t] = kept
+    return table
 
 
 def reference(case: dict, cfg: dict) -> tuple[float, list[list[float]]]:
@@ -37,6 +71,11 @@ def reference(case: dict, cfg: dict) -> tuple[float, list[list[float]]]:
     if loss_name == "decoupled_ppo" and mode == "none":
         mode = "raw"
     low, high = 1 - cfg.get("epsilon_low", 0.2), 1 + cfg.get("epsilon_high", 0.28)
+    band = cfg.get("masked_is_low", 0.5), cfg.get("masked_is_high", 5.0)
+    m2 = cfg.get("trust_region", "clip") == "m2"
+    if m2:
+        low, high = 0.0, math.inf
+        region = case.get("trust_keep") or m2_table(case, cfg.get("m2_threshold", 0.04))
     delta, beta = cfg.get("delta"), cfg.get("beta", 0.0)
     agg = cfg.get("aggregation", "dapo")
     world = case.get("world", 1)
@@ -70,6 +109,8 @@ def reference(case: dict, cfg: dict) -> tuple[float, list[list[float]]]:
             log_w = seq_log_w if mode.startswith("sequence") else anchor[i][t] - engine[i][t]
             if mode == "none":
                 w = 1.0
+            elif mode == "masked_is":
+                w = math.exp(log_w) if band[0] <= math.exp(log_w) <= band[1] else 0.0
             elif mode.endswith("truncate"):
                 w = math.exp(min(log_w, math.log(cap)))
             elif mode.endswith("mask"):
@@ -81,11 +122,15 @@ def reference(case: dict, cfg: dict) -> tuple[float, list[list[float]]]:
             else:
                 r = math.exp(lp[i][t] - centre[i][t])
             value, slope = 0.0, 0.0  # loss term and its derivative in lp[i][t]
-            if w * keep > 0:
+            kept = region[i][t] if m2 else True  # the trust region's mask
+            if w * keep * kept > 0:
                 clipped = min(max(r, low), high)
                 if loss_name == "cispo":
                     value = -clipped * adv[i] * lp[i][t]
                     slope = -clipped * adv[i]
+                elif m2:  # no ε-clip: −r̃·A
+                    capped = min(r, delta) if (delta is not None and adv[i] < 0) else r
+                    value, slope = -capped * adv[i], (-adv[i] * r if capped == r else 0.0)
                 else:
                     capped = min(r, delta) if (delta is not None and adv[i] < 0) else r
                     if capped * adv[i] <= clipped * adv[i]:
@@ -96,7 +141,9 @@ def reference(case: dict, cfg: dict) -> tuple[float, list[list[float]]]:
                 value, slope = w * value, w * slope
             if beta > 0:
                 x = case["ref"][i][t] - lp[i][t]
-                coef = w * math.exp(lp[i][t] - anchor[i][t]) if cfg.get("kl_is_correction") else 1
+                coef = 1
+                if cfg.get("kl_is_correction"):
+                    coef = w * kept * math.exp(lp[i][t] - anchor[i][t])
                 value += beta * coef * (math.exp(x) - x - 1)
                 slope += beta * coef * (1 - math.exp(x))
             total += scale * value
@@ -153,6 +200,7 @@ def tensors(case: dict, rows=slice(None), **extra) -> LossInputs:
         old_logprobs=t("old") if case.get("old") is not None else None,
         ref_logprobs=t("ref"),
         proximal_logprobs=t("prox") if case.get("prox") is not None else None,
+        trust_keep=torch.tensor(case["trust_keep"][rows]) if case.get("trust_keep") else None,
         dp_world_size=case.get("world", 1),
         **counts,
         **extra,
@@ -292,7 +340,7 @@ def split_rows(case: dict, rows: slice) -> dict:
     """The rows of a micro-batch, trimmed to their own padded width like the trainer does."""
     part = {k: (v[rows] if isinstance(v, list) else v) for k, v in case.items()}
     width = max([sum(m) for m in part["mask"]] + [1])
-    for key in ("lp", "old", "engine", "prox", "ref", "mask"):
+    for key in ("lp", "old", "engine", "prox", "ref", "mask", "trust_keep"):
         if part.get(key) is not None:
             part[key] = [row[:width] for row in part[key]]
     return part

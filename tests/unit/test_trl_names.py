@@ -200,3 +200,47 @@ def test_resume_from_checkpoint_takes_trls_forms(tmp_path, monkeypatch):
     assert resumed == [run, run, run]
     with pytest.raises(ConfigError, match="newest checkpoint \\(step-000004\\)"):
         trainer.train(resume_from_checkpoint=str(run / "checkpoints" / "step-000002"))
+
+
+IS = "vllm_importance_sampling_"
+
+
+@pytest.mark.parametrize(
+    ("trl", "loss"),
+    [
+        # TRL's token_mask: ρ kept (as the weight) inside [C_min, C_max], 0 outside
+        (
+            {IS + "mode": "token_mask", IS + "clip_min": 0.5, IS + "clip_max": 5.0},
+            {"correction": "masked_is", "masked_is_low": 0.5, "masked_is_high": 5.0},
+        ),
+        (
+            {IS + "mode": "token_truncate", IS + "clip_max": 2.5},
+            {"correction": "token_truncate", "correction_cap": 2.5},
+        ),
+        (  # TRL's clip_max defaults to 3; the deprecated cap is an alias
+            {IS + "mode": "sequence_truncate"},
+            {"correction": "sequence_truncate", "correction_cap": 3.0},
+        ),
+        ({IS + "mode": "token_truncate", IS + "cap": 1.5}, {"correction_cap": 1.5}),
+        ({IS + "mode": "sequence_mask", IS + "correction": False}, {"correction": "none"}),
+        ({IS + "correction": False, IS + "clip_max": 4.0}, {"correction": "none"}),
+    ],
+)
+def test_trl_importance_sampling_lands_on_the_correction(trl, loss):
+    cfg = AsyncGRPOConfig(**trl)
+    assert {key: getattr(cfg.loss, key) for key in loss} == loss
+
+
+def test_trl_importance_sampling_without_an_equivalent_is_refused():
+    with pytest.raises(ConfigError) as err:
+        AsyncGRPOConfig(**{IS + "mode": "sequence_mask"})
+    assert "weighs a kept sequence by its ratio" in str(err.value)
+    with pytest.raises(ConfigError, match=r"token_mask'.*needs vllm_importance_sampling_clip_min"):
+        AsyncGRPOConfig(**{IS + "mode": "token_mask", IS + "clip_max": 5.0})
+    with pytest.raises(ConfigError, match=r"clips from above only"):
+        AsyncGRPOConfig(**{IS + "mode": "token_truncate", IS + "clip_min": 0.5})
+    with pytest.raises(ConfigError, match=r"need vllm_importance_sampling_mode"):
+        AsyncGRPOConfig(**{IS + "clip_max": 5.0})
+    with pytest.raises(ConfigError, match=r"masked_is_low"):  # our bounds: 0 < low < 1
+        AsyncGRPOConfig(**{IS + "mode": "token_mask", IS + "clip_min": 0.0, IS + "clip_max": 2.0})
+    assert AsyncGRPOConfig(**{IS + "correction": True}).loss.correction == "token_truncate"

@@ -27,11 +27,31 @@ class LossConfig(Section):
     delta: float | None = Field(None, gt=1)
     """Optional cap on the ratio for negative advantages (two-sided clipping)."""
     correction: Literal[
-        "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+        "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "masked_is"
     ] = "token_truncate"
-    """Behaviour-policy correction from engine vs trainer log-probs."""
+    """Behaviour-policy correction from engine vs trainer log-probs (`trainer/corrections.py`).
+    `masked_is`: a token whose ratio ρ = π_trainer/π_engine leaves [masked_is_low,
+    masked_is_high] on either side carries no gradient, one inside is weighted by ρ (IcePop);
+    `token_mask` instead keeps [1/C, C] and weighs the tokens inside by 1."""
     correction_cap: float = Field(2.0, gt=0)
     """Cap C of the behaviour-correction weights."""
+    masked_is_low: float = Field(0.5, gt=0, lt=1)
+    """α of `correction: masked_is`: tokens with ρ < α carry no gradient. 0.5 is IcePop's
+    (Ring-1T report), and the lower bound of verl's masked-IS presets."""
+    masked_is_high: float = Field(5.0, gt=1)
+    """β of `correction: masked_is`: tokens with ρ > β carry no gradient. 5.0 is IcePop's
+    (Ring-1T report); verl's masked-IS presets use 2.0."""
+    trust_region: Literal["clip", "m2"] = "clip"
+    """How far the update may lean on stale tokens. `clip`: ε-clipping of the policy ratio
+    (`epsilon_low`, `epsilon_high`). `m2`: M2PO's second-moment bound
+    (`trainer/trust_region.py`): over the whole step's loss tokens, the mean of
+    (log π_θ/π_engine)², π_θ as the step starts, is kept at or below `m2_threshold` by
+    masking the tokens with the largest squared log-ratio; the others are not ε-clipped.
+    Logged per step: `m2_before`, `m2_after`, `m2_masked_fraction`. Costs a no-grad
+    forward when the step is more than one micro-batch or runs on several ranks."""
+    m2_threshold: float = Field(0.04, gt=0)
+    """τ of `trust_region: m2`: the largest mean squared log-ratio a step may train on (0.04:
+    the budget of the M2PO authors' training scripts and of AReaL's M2PO example)."""
     opsm_delta: float | None = Field(None, ge=0)
     """Off-policy sequence masking threshold; None disables it."""
     beta: float = Field(0.0, ge=0)

@@ -193,6 +193,46 @@ def _tool_iterations(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
     return {"agent.max_turns": value + 1}, None
 
 
+IS_MODE = "vllm_importance_sampling_mode"
+IS_NAMES = ("vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+IS_MODES = {  # TRL's modes, and why one has no equivalent with the bounds given
+    "token_mask": f"needs {IS_NAMES[0]} and {IS_NAMES[1]} (0 < min < 1 < max; IcePop: 0.5, 5)",
+    "token_truncate": f"clips from above only here (loss.correction_cap): no {IS_NAMES[0]}",
+    "sequence_truncate": f"clips from above only here (loss.correction_cap): no {IS_NAMES[0]}",
+    "sequence_mask": "weighs a kept sequence by its ratio, loss.correction=sequence_mask by 1",
+}
+
+
+def _is_mode(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
+    """TRL's engine-trainer importance weights as `loss.correction` where they mean the
+    same: `token_mask` (ρ kept inside [C_min, C_max]) is `masked_is`; a truncation from
+    above (`*_truncate` without C_min) is ours."""
+    if ctx.get("vllm_importance_sampling_correction", True) is False:
+        return {"loss.correction": "none"}, None
+    low = ctx.get(IS_NAMES[0])
+    high = ctx.get(IS_NAMES[1], ctx.get("vllm_importance_sampling_cap", 3.0))
+    if value == "token_mask" and None not in (low, high):
+        bounds = {"loss.masked_is_low": low, "loss.masked_is_high": high}
+        return {"loss.correction": "masked_is", **bounds}, None
+    if value in ("token_truncate", "sequence_truncate") and not low and high is not None:
+        return {"loss.correction": value, "loss.correction_cap": high}, None
+    why = IS_MODES.get(value, f"is one of {', '.join(IS_MODES)}")
+    raise Unsupported(f"{IS_MODE}={value!r} (TRL) {why}")
+
+
+def _is_setting(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
+    """vllm_importance_sampling_correction / _clip_min / _clip_max / _cap: read by
+    `_is_mode`; without a mode, TRL's default (sequence_mask) applies there."""
+    if IS_MODE in ctx["given"]:
+        return {}, None
+    if ctx.get("vllm_importance_sampling_correction", True) is False:
+        return {"loss.correction": "none"}, None
+    if value is True:  # the switch alone, at TRL's default
+        return {}, "vllm_importance_sampling_correction: loss.correction applies (not TRL's mode)"
+    raise Unsupported(f"vllm_importance_sampling_clip_* (TRL) need {IS_MODE} (TRL's default, "
+                      f"sequence_mask, {IS_MODES['sequence_mask']})")  # fmt: skip
+
+
 TRL_RULES: dict[str, Rule] = {
     "max_completion_length": _same("rollout.max_tokens"),
     "loss_type": _loss_type,
@@ -220,6 +260,11 @@ TRL_RULES: dict[str, Rule] = {
     "report_to": _report_to,
     "scale_rewards": _scale_rewards,
     "max_tool_calling_iterations": _tool_iterations,
+    IS_MODE: _is_mode,
+    **{
+        f"vllm_importance_sampling_{k}": _is_setting
+        for k in ("correction", "clip_min", "clip_max", "cap")
+    },
     "top_k": _neutral("top_k", (0, -1, None), "0 (disabled, TRL's default)"),
     "repetition_penalty": _neutral("repetition_penalty", (1.0,), "1.0 (TRL's default)"),
 }
@@ -242,6 +287,9 @@ TRL_TARGETS = {
     "max_prompt_length": "rollout.max_prompt_length",
     "mask_truncated_completions": "loss.mask_truncated_completions",
     "max_tool_calling_iterations": "agent.max_turns",
+    IS_MODE: "loss.correction",
+    IS_NAMES[0]: "loss.masked_is_low",
+    IS_NAMES[1]: "loss.masked_is_high",
 }
 
 

@@ -97,6 +97,13 @@ class StepTotals:
             if value is not None and not math.isnan(value):
                 self.weighted[key] = self.weighted.get(key, 0.0) + value * tokens
 
+    def add_step_metrics(self, metrics: dict[str, float]) -> None:
+        """Metrics of the whole step, the same on every rank (the M2 trust region's):
+        weighted by this rank's loss tokens, so that the merged mean is the value itself."""
+        for key, value in metrics.items():
+            if not math.isnan(value):
+                self.weighted[key] = self.weighted.get(key, 0.0) + value * self.tokens
+
     def merge(self, other: StepTotals) -> None:
         """Add another rank's sums (its loss is a term of the same global loss)."""
         self.loss += other.loss

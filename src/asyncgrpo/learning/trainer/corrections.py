@@ -11,6 +11,7 @@ engine's log-probs, ρ = π_a / π_engine:
 - `token_mask`:        w_t = 1 if 1/C ≤ ρ_t ≤ C else 0            (rejection)
 - `sequence_truncate`: w_i = min(ρ_i, C),                ρ_i = Π_t ρ_t = exp(Σ_t log ρ_t)
 - `sequence_mask`:     w_i = 1 if 1/C ≤ ρ_i ≤ C else 0
+- `masked_is`:         w_t = ρ_t if α ≤ ρ_t ≤ β else 0            (IcePop, masked IS)
 - `none`:              w = 1
 
 Choices, stated because the anchors differ:
@@ -22,6 +23,16 @@ Choices, stated because the anchors differ:
   [1/C, C] gets weight exactly 0 — never clamped back to C or 1/C — and one
   inside gets weight 1. A token the trainer finds much *less* likely than the
   engine did is as off-policy as one it finds much more likely.
+- `masked_is` is IcePop's masked importance weight (Ring-1T report:
+  M(ρ) = ρ·1[α ≤ ρ ≤ β], α = 0.5 and β = 5 there, our defaults), which is also
+  TRL's `token_mask`. Unlike `token_mask` above, its band is asymmetric and
+  explicit (`masked_is_low`, `masked_is_high`, not [1/C, C]) and a token inside
+  keeps its weight ρ (an importance-sampling correction) instead of 1. A token
+  outside carries no gradient on either side: never clamped back to α or β, as
+  `token_truncate` clamps to C. IcePop's ρ compares trainer and engine under the
+  same weights; here, as in every mode, π_a may be versions ahead of the engine,
+  so ρ carries the staleness too. (verl's masked-IS presets reject sequences
+  outside [0.5, 2] and weigh the rest by a separately truncated ratio.)
 - Comparisons are made in log space (log ρ ≤ log C), so nothing overflows for
   extreme ratios, and ρ = 1 gives w = 1 exactly.
 - Padding (mask False) always gets weight 0.
@@ -38,7 +49,14 @@ import math
 
 import torch
 
-CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+CORRECTIONS = (
+    "none",
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+    "masked_is",
+)
 """Public correction modes (`LossConfig.correction`)."""
 
 
@@ -48,11 +66,16 @@ def masked_difference(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> t
 
 
 def behaviour_weights(
-    log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    cap: float,
+    band: tuple[float, float] = (0.5, 5.0),
 ) -> torch.Tensor:
     """Detached per-token weights (B, T) from log ρ = log π_a − log π_engine (0 at padding).
 
-    `mode` is one of CORRECTIONS, or `raw` (w = ρ uncapped: decoupled PPO without a cap).
+    `mode` is one of CORRECTIONS, or `raw` (w = ρ uncapped: decoupled PPO without a cap);
+    `band`: (α, β) of `masked_is`.
     """
     log_ratio = log_ratio.detach()  # (B, T)
     zero = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
@@ -62,6 +85,10 @@ def behaviour_weights(
         return torch.where(mask, log_ratio.exp(), zero)
     if mode not in CORRECTIONS:
         raise ValueError(f"unknown correction {mode!r}; expected one of {CORRECTIONS}")
+    if mode == "masked_is":
+        low, high = math.log(band[0]), math.log(band[1])
+        inside = mask & (log_ratio >= low) & (log_ratio <= high)
+        return torch.where(inside, log_ratio.clamp(low, high).exp(), zero)
     log_cap = math.log(cap)
     level, kind = mode.split("_")
     if level == "sequence":

@@ -270,6 +270,24 @@ def all_reduce_gradients(params: list[torch.nn.Parameter], size: int) -> None:
             grad.copy_(reduced)
 
 
+def all_gather_values(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `values` (their counts may differ), concatenated in rank order, on
+    every rank. Under NCCL `values` must sit on this rank's GPU."""
+    require_collective_thread("gathering values over the ranks")
+    size = dist.get_world_size()
+    count = torch.tensor([values.numel()], dtype=torch.int64, device=values.device)
+    counts = [torch.zeros_like(count) for _ in range(size)]
+    dist.all_gather(counts, count)
+    sizes = [int(c) for c in counts]
+    if max(sizes) == 0:
+        return values
+    padded = torch.zeros(max(sizes), dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+
 def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     buckets: list[list[torch.Tensor]] = [[]]
     size = 0

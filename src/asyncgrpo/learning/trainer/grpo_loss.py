@@ -9,7 +9,9 @@ group id, so a group's samples share their prompt in one packed forward.
 `grpo_loss` is the recipe's loss (`losses.compute_loss` over `LossInputs`) as a
 `forward_backward` loss function. It closes over the whole step's counts, so every
 micro-batch's loss is a term of the step's loss and accumulation is exact; with
-`loss.beta > 0` it asks for the micro-batch's reference log-probs itself.
+`loss.beta > 0` it asks for the micro-batch's reference log-probs itself. Under
+`loss.trust_region: m2` the step's token mask arrives as the datums' `trust_keep`
+input when the trainer computed it beforehand (`trust_region.py`).
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ def grpo_loss(
             old_logprobs=logprobs.detach() if old_is_current else None,
             ref_logprobs=reference(batch.datums),
             entropy=batch.entropy,
-            **counts,
+            trust_keep=batch.inputs.get("trust_keep"),  # the step's M2 mask, when the
+            **counts,  # trainer computed it (trust_region.py)
         )
         return compute_loss(inputs, cfg)
 

@@ -5,7 +5,8 @@ the trainer receives it as validated, and its field names are the ones used belo
 
 Per token t of sequence i (mask True), with advantage A_i:
 
-    loss_it = w_it · keep_i · surrogate_it  +  β · k3_it · [w_it · r_it if kl_is_correction]
+    loss_it = w_it · keep_i · m_it · surrogate_it
+              + β · k3_it · [w_it · m_it · r_it if kl_is_correction]
 
 and the loss is an aggregation of loss_it. The pieces:
 
@@ -17,6 +18,14 @@ and the loss is an aggregation of loss_it. The pieces:
   ratio is s_i = exp(mean_t log r_it), broadcast to tokens in the
   straight-through form sg[s_i]·π_θ(y_t)/sg[π_θ(y_t)]: its value is s_i and its
   gradient flows to each token separately (GSPO-token).
+- m_it: the trust region's token mask. `trust_region="clip"`: 1, and the surrogates
+  below clip the ratio to [1−ε_low, 1+ε_high]. `trust_region="m2"`: M2PO's mask
+  (`trust_region.py`: the tokens with the largest squared log-ratio to the engine are
+  masked until the step's mean is ≤ `m2_threshold`) and no ε-clipping: `clipped` and
+  `decoupled_ppo` become −r̃·A, `cispo` −sg[r]·A·log π_θ (`delta` still caps r̃).
+  The mask is the whole step's: `LossInputs.trust_keep` carries it to each
+  micro-batch; left None, it is computed over this call's tokens. Like the
+  correction's zero weights, masked tokens stay in the aggregation's counts.
 - surrogates (registry `LOSSES`, chosen by `LossConfig.name`):
   `clipped`: −min(r̃·A, clip(r, 1−ε_low, 1+ε_high)·A) with r̃ = min(r, δ) for
   A < 0 when `delta` is set (two-sided clipping), else r̃ = r.
@@ -25,13 +34,15 @@ and the loss is an aggregation of loss_it. The pieces:
   `decoupled_ppo` (AReaL): the clipped surrogate centred on π_prox
   (`proximal_logprobs`, falling back to π_old); the behaviour weight
   π_prox/π_engine is part of the objective, so `correction="none"` means the
-  uncapped weight and the other modes cap or mask it with `correction_cap`.
+  uncapped weight and the other modes cap or mask it with `correction_cap`
+  (`masked_is`: with its band).
 - w_it: behaviour weight of `corrections.py` from π_anchor/π_engine, where the
   anchor is π_prox when given, else π_old.
 - keep_i: OPSM (`opsm_delta`), see `corrections.py`.
 - k3_it = exp(ref − lp) − (ref − lp) − 1 against a reference model (β > 0).
   With `kl_is_correction` it is weighted by the detached IS ratio π_θ/π_engine
-  (π_θ/π_anchor times w, so truncation and masks apply to it too); OPSM does not drop it.
+  (π_θ/π_anchor times w·m, so truncation and masks apply to it too); OPSM does not drop
+  it, nor does the M2 mask without `kl_is_correction`.
 
 Aggregation over tokens, normalised by counts of the *whole optimizer step*
 so that summing the losses of micro-batches equals the loss of the batch
@@ -65,6 +76,7 @@ from asyncgrpo.learning.trainer.corrections import (
     masked_difference,
     opsm_keep,
 )
+from asyncgrpo.learning.trainer.trust_region import m2_keep
 
 AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -79,6 +91,7 @@ class LossInputs:
     ref_logprobs: torch.Tensor | None = None  # (B, T) reference model (β > 0)
     entropy: torch.Tensor | None = None  # (B, T) for the metric only
     proximal_logprobs: torch.Tensor | None = None  # (B, T) π_prox (decoupled PPO)
+    trust_keep: torch.Tensor | None = None  # (B, T) the whole step's M2 mask; None: this call's
     num_global_tokens: float | None = None  # loss tokens of the whole step, all ranks
     num_batch_tokens: float | None = None  # loss tokens of the step's batch, all ranks (bnpo)
     num_global_sequences: float | None = None  # sequences of the whole step, all ranks
@@ -104,9 +117,16 @@ class LossSpec:
     intrinsic_weight: bool  # the behaviour weight is part of the objective (decoupled PPO)
 
 
+def clip_range(cfg: LossConfig) -> tuple[float, float]:
+    """The ε-clip range of the ratio; (0, ∞), no clipping, under the M2 trust region."""
+    if cfg.trust_region == "m2":
+        return 0.0, math.inf
+    return 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
+
+
 def clipped_surrogate(ratio, logprobs, adv, cfg: LossConfig) -> Surrogate:
-    """−min(r̃·A, clip(r)·A); ratio (B, T), adv (B, 1)."""
-    lower, upper = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
+    """−min(r̃·A, clip(r)·A), or −r̃·A without a clip range; ratio (B, T), adv (B, 1)."""
+    lower, upper = clip_range(cfg)
     unclipped = ratio
     r = ratio.detach()
     negative = adv < 0  # (B, 1)
@@ -114,7 +134,9 @@ def clipped_surrogate(ratio, logprobs, adv, cfg: LossConfig) -> Surrogate:
     if cfg.delta is not None:
         unclipped = torch.where(negative, ratio.clamp(max=cfg.delta), ratio)
         clipped_delta = negative & (r > cfg.delta)
-    objective = torch.minimum(unclipped * adv, ratio.clamp(lower, upper) * adv)
+    objective = unclipped * adv
+    if math.isfinite(upper):
+        objective = torch.minimum(objective, ratio.clamp(lower, upper) * adv)
     return Surrogate(
         per_token=-objective,
         clipped_low=negative & (r < lower),
@@ -125,7 +147,7 @@ def clipped_surrogate(ratio, logprobs, adv, cfg: LossConfig) -> Surrogate:
 
 def cispo_surrogate(ratio, logprobs, adv, cfg: LossConfig) -> Surrogate:
     """−sg[clip(r)]·A·log π_θ; 'clipped' counts tokens whose weight was clipped."""
-    lower, upper = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
+    lower, upper = clip_range(cfg)
     r = ratio.detach()
     return Surrogate(
         per_token=-(r.clamp(lower, upper) * adv) * logprobs,
@@ -198,13 +220,16 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dic
     adv = inputs.advantages.detach().to(dtype).view(-1, 1)  # (B, 1)
 
     mode = "raw" if spec.intrinsic_weight and cfg.correction == "none" else cfg.correction
+    band = (cfg.masked_is_low, cfg.masked_is_high)
     weights = behaviour_weights(
-        masked_difference(anchor, engine, mask), mask, mode, cfg.correction_cap
+        masked_difference(anchor, engine, mask), mask, mode, cfg.correction_cap, band
     )
     keep = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)  # (B,)
     if cfg.opsm_delta is not None:
         keep = opsm_keep(engine, lp, mask, adv, cfg.opsm_delta)
-    coef = weights * keep.view(-1, 1).to(dtype)  # (B, T)
+    region, region_metrics = trust_region_mask(inputs, mask, cfg)  # (B, T) bool
+    kept_weights = weights * region.to(dtype)  # (B, T) w·m
+    coef = kept_weights * keep.view(-1, 1).to(dtype)  # (B, T)
     active = mask & (coef != 0)  # (B, T) tokens that carry policy gradient
 
     ratio = policy_ratio(lp, centre, mask, active, cfg.ratio_level)  # (B, T)
@@ -218,13 +243,28 @@ def compute_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, dic
         ref = inputs.ref_logprobs.detach().to(dtype)
         kl = k3(masked_difference(ref, lp, mask))  # (B, T), 0 at padding
         kl_coef = mask.to(dtype)
-        if cfg.kl_is_correction:  # π_θ/π_anchor · w, i.e. π_θ/π_engine truncated or masked like w
+        if cfg.kl_is_correction:  # π_θ/π_anchor · w·m: π_θ/π_engine truncated or masked like w
             to_anchor = masked_difference(lp.detach(), anchor, mask).exp()
-            kl_coef = torch.where(weights != 0, to_anchor * weights, zero)
+            kl_coef = torch.where(kept_weights != 0, to_anchor * kept_weights, zero)
         per_token = per_token + cfg.beta * torch.where(mask, kl * kl_coef, zero)
     loss = aggregate(per_token, mask, inputs, cfg.aggregation)
     metrics = loss_metrics(inputs, mask, active, ratio, surrogate, weights, keep, kl, cfg)
-    return loss, metrics
+    return loss, metrics | region_metrics
+
+
+def trust_region_mask(inputs: LossInputs, mask: torch.Tensor, cfg: LossConfig):
+    """((B, T) bool: the loss tokens the trust region lets carry policy gradient, the M2
+    metrics when this call computes the mask: `trust_keep` not given, the call is the step).
+
+    δ is taken from the policy the step starts from: π_prox when given, else π_θ's values."""
+    if cfg.trust_region != "m2":
+        return mask, {}
+    if inputs.trust_keep is not None:
+        return mask & inputs.trust_keep.bool(), {}
+    start = inputs.logprobs if inputs.proximal_logprobs is None else inputs.proximal_logprobs
+    engine = inputs.engine_logprobs.detach().double()
+    log_ratio = masked_difference(start.detach().double(), engine, mask)  # (B, T)
+    return m2_keep(log_ratio, mask, cfg.m2_threshold)
 
 
 @torch.no_grad()
@@ -239,7 +279,7 @@ def loss_metrics(
     is the k3 estimate of KL(π_engine‖π_θ) per token, exp(x) − x − 1 with
     x = lp_θ − lp_engine, averaged over loss tokens (≥ 0, unbiased under the sampler).
     """
-    lower, upper = 1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high
+    lower, upper = clip_range(cfg)
     r = ratio.detach()
     low, high, dclip = (
         x & active for x in (surrogate.clipped_low, surrogate.clipped_high, surrogate.clipped_delta)

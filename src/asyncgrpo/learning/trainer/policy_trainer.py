@@ -19,7 +19,9 @@ epochs), so π_old is the current policy detached (`old_logprobs: current`) and
 staleness is corrected by the behaviour weights π_θ/π_engine of `corrections.py`;
 `old_logprobs: engine` reproduces TRL's async trainer (ratio against the sampler).
 Micro-batches are planned by a token budget and packed without padding; every
-loss is normalised by the whole step's counts, so accumulation is exact.
+loss is normalised by the whole step's counts, so accumulation is exact. Likewise
+`loss.trust_region: m2` masks by the whole step's statistic: `step_mask` finds the
+mask before the first backward (`trust_region.py`).
 
 `PolicyTrainer` takes the recipe's `trainer`, `loss` and `advantage` sections
 (`asyncgrpo.base.config`) as they are, plus the few numbers that live elsewhere in a
@@ -53,6 +55,7 @@ from asyncgrpo.learning.trainer.datums import (
     padded_inputs,
     plan_datums,
 )
+from asyncgrpo.learning.trainer.distributed import all_gather_values
 from asyncgrpo.learning.trainer.grpo_loss import PADDING, grpo_datums, grpo_loss
 from asyncgrpo.learning.trainer.optimizer import clipped_step, make_adamw
 from asyncgrpo.learning.trainer.packing import (
@@ -61,6 +64,7 @@ from asyncgrpo.learning.trainer.packing import (
     pad_ragged,
 )
 from asyncgrpo.learning.trainer.reference import make_reference
+from asyncgrpo.learning.trainer.trust_region import whole_batch_keep
 from asyncgrpo.learning.trainer.varlen import varlen_available
 
 
@@ -282,11 +286,13 @@ class PolicyTrainer:
         """`forward_backward` of the recipe's loss over `batch` (`grpo_loss.py`)."""
         current = self.trainer_cfg.old_logprobs == "current"
         loss = grpo_loss(self.loss_cfg, batch.counts, current, self.reference_logprobs)
-        result = self.forward_backward(grpo_datums(batch), loss, with_entropy=True)
+        datums, region_metrics = step_mask(self, batch, grpo_datums(batch))
+        result = self.forward_backward(datums, loss, with_entropy=True)
         totals = result.totals
         # sharded ranks all-gather in every forward: each runs the step's most micro-batches
         for _ in range(batch.micro_batches - result.micro_batches):
             totals.merge(self.forward_backward([PADDING], loss, with_entropy=True).totals)
+        totals.add_step_metrics(region_metrics)
         return totals
 
     def plan(self, batch: Prepared) -> list[list[int]]:
@@ -330,6 +336,31 @@ class PolicyTrainer:
         state = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.version = state.version
         return state
+
+
+def step_mask(
+    trainer: PolicyTrainer, batch: Prepared, datums: list[TrainDatum]
+) -> tuple[list[TrainDatum], dict[str, float]]:
+    """`loss.trust_region: m2`: the step's token mask on `datums` (their `trust_keep`
+    input) and its M2 metrics, from a no-grad forward and, with several ranks, every
+    rank's squared log-ratios (`trust_region.py`). The datums as they are when the loss
+    can compute the mask alone: the step is one micro-batch on one rank, or `clip`."""
+    if trainer.loss_cfg.trust_region != "m2":
+        return datums, {}
+    runs = len(plan_datums(datums, trainer.trainer_cfg.micro_batch_tokens))
+    if trainer.dp_world_size == 1 and runs <= 1:
+        return datums, {}
+    current = trainer.forward(datums)
+    for _ in range(batch.micro_batches - runs):  # sharded ranks forward in step
+        trainer.forward([PADDING])
+    gather = None
+    if trainer.dp_world_size > 1:
+        device = trainer.device
+
+        def gather(values: torch.Tensor) -> torch.Tensor:  # a collective, on the device
+            return all_gather_values(values.to(device)).cpu()
+
+    return whole_batch_keep(datums, current, trainer.loss_cfg.m2_threshold, gather)
 
 
 def batch_metrics(
