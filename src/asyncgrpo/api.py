@@ -139,8 +139,8 @@ class AsyncGRPOTrainer:
         return path.parent.parent
 
     def save_model(self, output_dir: str | Path, step: int | None = None) -> Path:
-        """Write the trained policy (the newest checkpoint, or `step`) as a Hugging Face
-        directory that `AutoModelForCausalLM.from_pretrained` loads (under LoRA: the base
+        """Write the trained policy (the best held-out evaluation's weights where the run
+        kept them, else the newest checkpoint; or `step`) as a Hugging Face directory that `AutoModelForCausalLM.from_pretrained` loads (under LoRA: the base
         with the adapter merged in). TRL's habit `save_model(args.output_dir)` works too:
         the model files land in `output_dir` beside its run directories."""
         from asyncgrpo.run.export import export_run

@@ -192,8 +192,15 @@ def add_export_parser(commands) -> None:
         "its directory, or the tinker://MODEL_ID/weights/NAME path with --state-dir",
     )
     export.add_argument("out_dir", help="where to write it (must not exist, or be empty)")
-    export.add_argument(
-        "--step", type=int, help="the checkpoint or weights snapshot of this step (default: newest)"
+    which = export.add_mutually_exclusive_group()
+    which.add_argument(
+        "--step",
+        type=int,
+        help="the checkpoint or weights snapshot of this step (default: the best held-out "
+        "evaluation's weights where the run kept them, else the newest)",
+    )
+    which.add_argument(
+        "--last", action="store_true", help="the newest step, even where a best one was kept"
     )
     export.add_argument(
         "--merged",
@@ -271,13 +278,17 @@ def export(args: argparse.Namespace) -> int:
     try:
         tinker_state = find_tinker_state(args.run_dir, args.state_dir)
         if tinker_state is not None:
-            if args.step is not None:
-                raise ExportError("--step picks a run's checkpoint; a Tinker state has one")
+            if args.step is not None or args.last:
+                raise ExportError("--step/--last pick a run's step; a Tinker state has one")
             from asyncgrpo.tinker.export import export_tinker_state
 
             print(export_tinker_state(tinker_state, args.out_dir, merged=args.merged))
         else:
-            print(export_run(args.run_dir, args.out_dir, step=args.step, merged=args.merged))
+            print(
+                export_run(
+                    args.run_dir, args.out_dir, step=args.step, merged=args.merged, last=args.last
+                )
+            )
     except ExportError as exc:
         raise CliError(str(exc)) from None
     return 0

@@ -22,6 +22,7 @@ from asyncgrpo.base.engine_errors import EngineStartError
 from asyncgrpo.cli import CliError, resolve_model_dir
 from asyncgrpo.inference.client import EngineClient
 from asyncgrpo.inference.engine.process import EngineProcess
+from asyncgrpo.learning.trainer.best import best_summary
 
 QUESTION = [
     {"role": "system", "content": "You are a concise assistant."},
@@ -90,6 +91,8 @@ def train_demo(recipe: str, overrides: list[str]) -> int:
             f"{first['eval_reward_mean']:.3f} before -> {last['eval_reward_mean']:.3f} "
             f"after {last['step']} steps"
         )
+        if (best := best_summary(run_dir, last)) is not None:
+            print(f"{best} (kept in best/)")
     if steps:
         print(
             f"trained {steps[-1]['step']} steps in {steps[-1]['time_s'] / 60:.1f} min; "

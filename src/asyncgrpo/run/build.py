@@ -34,6 +34,7 @@ from asyncgrpo.learning.rollout.builder import GroupBuilder
 from asyncgrpo.learning.rollout.orchestrator import Orchestrator
 from asyncgrpo.learning.rollout.prompts import PromptStream
 from asyncgrpo.learning.trainer.base import Trainer
+from asyncgrpo.learning.trainer.best import BestKeeper
 from asyncgrpo.learning.trainer.build import huge_pages_early, make_trainer
 from asyncgrpo.learning.trainer.checkpoint import Checkpointer
 from asyncgrpo.run.context import RunContext
@@ -154,7 +155,8 @@ def assemble_run(
     link = EngineLink(
         engine, loop, trainer, buffer, activity, weight_dtype, cfg.coordinator.sync_mode
     )
-    evaluator = _evaluator(cfg, builder, eval_rows, loop, tracker, eval_repeats, link.landed)
+    best = _best(cfg, trainer, run_dir, eval_rows)
+    evaluator = _evaluator(cfg, builder, eval_rows, loop, tracker, eval_repeats, link.landed, best)
     checkpoints = Checkpointer(
         trainer,
         run_dir,
@@ -211,6 +213,7 @@ def _evaluator(
     tracker: Any,
     repeats: int,
     landed: Callable[[], Awaitable[None]],
+    best: BestKeeper | None,
 ) -> Evaluator:
     return Evaluator(
         builder,
@@ -222,7 +225,15 @@ def _evaluator(
         limit=cfg.eval_limit,
         repeats=repeats,
         timeout_s=cfg.rollout.request_timeout_s,
+        best=best,
     )
+
+
+def _best(cfg: RunConfig, trainer: Trainer, run_dir: Path, rows: Any) -> BestKeeper | None:
+    """The keeper of the best evaluation's weights, where there are evaluations and a metric."""
+    if rows is None or cfg.best_checkpoint_metric is None:
+        return None
+    return BestKeeper(trainer, run_dir, cfg.best_checkpoint_metric, cfg.best_checkpoint_mode)
 
 
 def _buffer(cfg: RunConfig, prompts: PromptStream) -> RolloutBuffer:

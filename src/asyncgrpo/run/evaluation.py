@@ -10,7 +10,9 @@ resumed run starts at its checkpoint's step, often one that was evaluated) is
 not evaluated again.
 
 Each result says how it sampled (`eval_decoding`: "greedy", or "sampled" for
-agent episodes), so plots can say so next to the train reward, which is sampled.
+agent episodes), so plots can say so next to the train reward, which is sampled. With a
+`BestKeeper`, the weights of the step an evaluation starts at are copied, and kept if its
+result is the best so far (`learning/trainer/best.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from asyncgrpo.base.loop_thread import LoopThread
 from asyncgrpo.learning.rollout.builder import GroupBuilder
 from asyncgrpo.learning.rollout.episodes import EpisodeGroupBuilder
+from asyncgrpo.learning.trainer.best import BestKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +43,10 @@ class Evaluator:
         repeats: int = 1,
         timeout_s: float = 600.0,
         landed: Callable[[], Awaitable[None]] | None = None,
+        best: BestKeeper | None = None,
     ):
-        """`landed`: on the loop, waits until the last weight sync started has landed."""
+        """`landed`: on the loop, waits until the last weight sync started has landed;
+        `best`: keeps the weights of the best evaluation (`learning/trainer/best.py`)."""
         self.builder = builder
         self.rows = rows
         self.loop = loop
@@ -51,6 +56,7 @@ class Evaluator:
         self.repeats = repeats  # agent runs: episodes per row (they are sampled)
         self.timeout_s = timeout_s
         self.landed = landed
+        self.best = best
         self._running: tuple[int, concurrent.futures.Future] | None = None
         self._last_step: int | None = None
 
@@ -62,6 +68,8 @@ class Evaluator:
         due = final or step % self.every == 0
         fresh = self._last_step != step and not self.tracker.has_eval(step)
         if self._running is None and due and fresh:
+            if self.best is not None:
+                self.best.evaluation_started(step)  # the weights this evaluation measures
             self._running = (step, self.loop.submit(self._evaluate(step)))
             self._last_step = step
         if final:
@@ -76,9 +84,14 @@ class Evaluator:
             return
         self._running = None
         try:
-            self.tracker.log_eval(step, future.result(self.timeout_s))
+            row = self.tracker.log_eval(step, future.result(self.timeout_s))
         except Exception:
             logger.exception("evaluation at step %d failed", step)
+            if self.best is not None:
+                self.best.evaluation_failed()
+            return
+        if self.best is not None:
+            self.best.evaluation_logged(step, row)
 
     async def _evaluate(self, step: int) -> dict[str, Any]:
         if self.landed is not None:

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from asyncgrpo.base.config import ConfigError, RunConfig, load_config
+from asyncgrpo.learning.trainer.best import BEST_DIR, WEIGHTS_FILE, read_best
 
 STEP_NAME = re.compile(r"^step-(\d+)(\.safetensors)?$")
 
@@ -40,12 +41,17 @@ class ExportError(Exception):
 
 
 def export_run(
-    run_dir: str | Path, out_dir: str | Path, step: int | None = None, merged: bool = False
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    merged: bool = False,
+    last: bool = False,
 ) -> str:
-    """Write the run's policy at `step` (default: the newest) to `out_dir`; says what."""
+    """Write the run's policy at `step` to `out_dir`; says what. Without `step`: the best
+    evaluation's weights where the run kept them (`best/`), else (or with `last`) the newest."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     cfg = load_run_config(run_dir)
-    step, weights_path = pick_weights(run_dir, step)
+    step, weights_path = pick_weights(run_dir, step, last)
     check_out_dir(out_dir)
     base_dir = base_model_dir(run_dir, cfg)
     weights = load_file(weights_path)
@@ -90,8 +96,12 @@ def available_weights(run_dir: Path) -> dict[int, Path]:
     return found
 
 
-def pick_weights(run_dir: Path, step: int | None) -> tuple[int, Path]:
-    """(step, weights file) of `step`, or of the newest step when None."""
+def pick_weights(run_dir: Path, step: int | None, last: bool = False) -> tuple[int, Path]:
+    """(step, weights file) of `step`; when None, of the best evaluation (unless `last`),
+    else of the newest step."""
+    best = read_best(run_dir)
+    if step is None and not last and best is not None:
+        return int(best["step"]), run_dir / BEST_DIR / WEIGHTS_FILE
     found = available_weights(run_dir)
     if not found:
         raise ExportError(

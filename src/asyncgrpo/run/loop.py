@@ -22,6 +22,7 @@ from asyncgrpo.base.config import RunConfig
 from asyncgrpo.learning.coordinator.buffer import BufferClosed
 from asyncgrpo.learning.metrics import plot_run
 from asyncgrpo.learning.metrics.progress import ProgressDisplay
+from asyncgrpo.learning.trainer.best import best_summary
 from asyncgrpo.learning.trainer.distributed import TrainerFailed, launched_rank
 from asyncgrpo.run.build import build_run
 from asyncgrpo.run.context import RunContext
@@ -45,6 +46,8 @@ def train(cfg: RunConfig, *, resume: str | Path | None = None, **components) -> 
     r: RunContext = build_run(cfg, resume=resume, **components)
     run_to_end(r, stop, resume=resume is not None)
     plot_run(r.run_dir)
+    if summary := best_summary(r.run_dir, r.tracker.last_eval):
+        logger.info("%s (best/, what `asyncgrpo export` writes)", summary)
     return r.run_dir
 
 

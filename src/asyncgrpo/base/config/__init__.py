@@ -114,6 +114,14 @@ class RunConfig(Section):
     """Also write the model weights alone to `weights/step-NNNNNN.safetensors` every this
     many steps, in the engine's dtype (`engine.dtype`: the policy the engine samples with).
     Unlike checkpoints they are all kept, e.g. to score them after the run."""
+    best_checkpoint_metric: str | None = "eval_reward_mean"
+    """Keep the weights of the best held-out evaluation by this metric of its row in
+    metrics.jsonl (`eval_reward_mean`, or another `eval_*` column) in `best/`, with the step
+    they are of; `asyncgrpo export` and `save_model` then write the best weights unless asked
+    for a step. Costs one copy of the weights in host memory while an evaluation runs. None:
+    keep none, and the last step's weights are the run's model."""
+    best_checkpoint_mode: Literal["max", "min"] = "max"
+    """Whether a larger (`max`) or smaller (`min`) `best_checkpoint_metric` is better."""
     report_to: list[Literal["tensorboard", "wandb", "trackio"]] = []
     """Extra metric sinks besides metrics.jsonl (imported lazily)."""
     dataset: dict[str, Any] = {}

@@ -233,6 +233,24 @@ def _is_setting(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
                       f"sequence_mask, {IS_MODES['sequence_mask']})")  # fmt: skip
 
 
+def _load_best(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
+    """True is the default here: the best evaluation's weights are kept and exported."""
+    return ({}, None) if value else ({"best_checkpoint_metric": None}, None)
+
+
+def _best_metric(value: Any, ctx: Ctx) -> tuple[dict, str | None]:
+    """TRL's `metric_for_best_model` ("reward", "eval_reward", ...) as an eval row's column."""
+    if ctx.get("load_best_model_at_end") is False:
+        return {}, None
+    name = str(value) if str(value).startswith("eval_") else f"eval_{value}"
+    if name == "eval_loss":
+        raise Unsupported(
+            "metric_for_best_model='loss': evaluations here score held-out reward, not a loss; "
+            "use 'reward' (eval_reward_mean) or another eval_* column of metrics.jsonl"
+        )
+    return {"best_checkpoint_metric": "eval_reward_mean" if name == "eval_reward" else name}, None
+
+
 TRL_RULES: dict[str, Rule] = {
     "max_completion_length": _same("rollout.max_tokens"),
     "loss_type": _loss_type,
@@ -265,6 +283,12 @@ TRL_RULES: dict[str, Rule] = {
         f"vllm_importance_sampling_{k}": _is_setting
         for k in ("correction", "clip_min", "clip_max", "cap")
     },
+    "load_best_model_at_end": _load_best,
+    "metric_for_best_model": _best_metric,
+    "greater_is_better": lambda value, ctx: (
+        {"best_checkpoint_mode": "max" if value else "min"},
+        None,
+    ),
     "top_k": _neutral("top_k", (0, -1, None), "0 (disabled, TRL's default)"),
     "repetition_penalty": _neutral("repetition_penalty", (1.0,), "1.0 (TRL's default)"),
 }
@@ -288,6 +312,9 @@ TRL_TARGETS = {
     "mask_truncated_completions": "loss.mask_truncated_completions",
     "max_tool_calling_iterations": "agent.max_turns",
     IS_MODE: "loss.correction",
+    "load_best_model_at_end": "best_checkpoint_metric",
+    "metric_for_best_model": "best_checkpoint_metric",
+    "greater_is_better": "best_checkpoint_mode",
     IS_NAMES[0]: "loss.masked_is_low",
     IS_NAMES[1]: "loss.masked_is_high",
 }
