@@ -11,6 +11,7 @@ repeat). Stages choose the cells:
         --corrections truncated_is --lrs 3e-5 --seeds 0,1,2,3,4,5   # the main question
     python benchmarks/staleness_study.py --stage precision --seeds 0,1,2,3,4,5
     python benchmarks/staleness_study.py --stage fix:lr-half --seeds 0,1,2,3,4,5
+    python benchmarks/staleness_study.py --stage fix:m2 --staleness 1,4,16 --seeds 0,1,2,3,4,5,6,7
     python benchmarks/staleness_study.py --stage grid --report-only  # tables from disk
 
 Corrections, as config fields (read off `trainer/losses.py` and `grpo_loss.py`):
@@ -127,8 +128,15 @@ FIXES = {
     "fp32-engine": ["engine.dtype=float32"],
     # AReaL's decoupled PPO: the behaviour weight uncapped (the `decoupled` correction)
     "decoupled": ["loss.name=decoupled_ppo", "loss.correction=none"],
+    # M2PO: a bound on the batch's second moment of log(pi/pi_engine) instead of the clip
+    "m2": ["loss.trust_region=m2"],
+    # IcePop-style masked importance weights: rho inside [0.5, 5], no gradient outside
+    "masked-is": ["loss.correction=masked_is"],
+    "m2-masked-is": ["loss.trust_region=m2", "loss.correction=masked_is"],
 }
-"""Candidate fixes: extra overrides on the staleness-1, lr 3e-5 cell of the recipe's task."""
+"""Candidate fixes: extra overrides on the lr 3e-5 cells of the recipe's task, at each
+staleness of `--staleness` above 0 (default 1 for a fix stage; 1,4,16 asks for the far
+cells too), each compared with sync and with the unfixed cell of its staleness."""
 
 
 @dataclass
@@ -182,12 +190,21 @@ def stage_cells(stage: str, args) -> list[Cell]:
         fp32.compare_to.append(sync.name)
         return [sync, fp32]
     if stage.startswith("fix:") and stage[4:] in FIXES:
-        name = stage[4:]
-        fixed = make_cell("recipe", 1, "truncated_is", 3e-5, f"-{name}", FIXES[name])
-        fixed.compare_to += [sync.name, async1.name]
-        return [sync, async1, fixed]
+        return fix_cells(stage[4:], sync, [k for k in args.staleness if k > 0] or [1])
     known = ", ".join(["noise", "grid", "precision", *(f"fix:{f}" for f in FIXES)])
     raise SystemExit(f"unknown stage {stage!r}; known: {known}")
+
+
+def fix_cells(name: str, sync: Cell, stalenesses: list[int]) -> list[Cell]:
+    """Sync, then per staleness the unfixed async cell and the fixed one beside it."""
+    cells = [sync]
+    for k in stalenesses:
+        plain = make_cell("recipe", k, "truncated_is", 3e-5)
+        plain.compare_to.append(sync.name)
+        fixed = make_cell("recipe", k, "truncated_is", 3e-5, f"-{name}", FIXES[name])
+        fixed.compare_to += [sync.name, plain.name]
+        cells += [plain, fixed]
+    return cells
 
 
 @dataclass
@@ -363,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="runs per seed (default: 2 noise, 1)")
     p.add_argument("--steps", type=int, default=24, help="N: optimizer steps per run")
     p.add_argument("--tasks", type=csv(str), default=list(TASKS))
-    p.add_argument("--staleness", type=csv(int), default=[0, 1, 2, 4])
+    p.add_argument("--staleness", type=csv(int), default=None, help="default: 0,1,2,4 (grid), 1")
     p.add_argument("--corrections", type=csv(str), default=list(CORRECTIONS))
     p.add_argument("--lrs", type=csv(float), default=[1e-5, 3e-5])
     p.add_argument("--jobs", type=int, choices=(1, 2), default=1)
@@ -389,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     noise = args.stage == "noise"
     args.seeds = args.seeds or ([0, 1] if noise else list(range(6)))
     args.repeats = args.repeats or (2 if noise else 1)
+    args.staleness = args.staleness or ([1] if args.stage.startswith("fix:") else [0, 1, 2, 4])
     args.out = (ROOT / args.out).resolve()
     cells = stage_cells(args.stage, args)
     runs = [

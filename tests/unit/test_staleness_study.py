@@ -152,3 +152,22 @@ def test_version_rewards_interpolate_a_gap_and_stop_at_the_ends(report):
         {"step": 4, "reward_mean": 0.8, "staleness_mean": 0.0},  # version 3
     ]
     assert report.version_rewards(rows, 4) == pytest.approx([0.2, 0.4, 0.6, 0.8, None])
+
+
+def test_a_fix_stage_pairs_each_staleness_with_sync_and_its_unfixed_cell(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    study = importlib.import_module("staleness_study")
+    args = study.build_parser().parse_args(["--stage", "fix:m2", "--staleness", "0,1,4,16"])
+    cells = {c.name: c for c in study.stage_cells("fix:m2", args)}
+    sync = "recipe-st0-truncated_is-lr3e-05"
+    assert set(cells) == {
+        sync,
+        *(f"recipe-st{k}-truncated_is-lr3e-05" for k in (1, 4, 16)),
+        *(f"recipe-st{k}-truncated_is-lr3e-05-m2" for k in (1, 4, 16)),
+    }
+    far = cells["recipe-st16-truncated_is-lr3e-05-m2"]
+    assert far.staleness == 16 and "loss.trust_region=m2" in far.overrides
+    assert "coordinator.max_staleness=16" not in far.overrides  # the run sets it from the cell
+    assert far.compare_to == [sync, "recipe-st16-truncated_is-lr3e-05"]
+    assert cells["recipe-st4-truncated_is-lr3e-05"].compare_to == [sync]
+    assert study.FIXES["masked-is"] == ["loss.correction=masked_is"]
