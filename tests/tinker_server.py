@@ -23,11 +23,21 @@ API_KEY = "tml-asyncgrpo-test-key"
 @contextmanager
 def serve_tinker(model_dir: Path, state_dir: Path, dtype: str = "float32") -> Iterator[str]:
     """The server's base URL while the block runs."""
+    with running_tinker(model_dir, state_dir, dtype) as (url, _):
+        yield url
+
+
+@contextmanager
+def running_tinker(
+    model_dir: Path, state_dir: Path, dtype: str = "float32", **build_args
+) -> Iterator[tuple[str, object]]:
+    """The server's base URL and its `TinkerService` (for tests that look inside it) while
+    the block runs; `build_args` go to `build_service` (e.g. `session_ttl_s`)."""
     from asyncgrpo.tinker.app import create_app
     from asyncgrpo.tinker.build import build_service
 
     engine = EmbeddedEngineConfig(model=str(model_dir), dtype=dtype, num_threads=1)
-    service = build_service(str(model_dir), model_dir, engine, state_dir)
+    service = build_service(str(model_dir), model_dir, engine, state_dir, **build_args)
     port = free_port()
     config = uvicorn.Config(
         create_app(service, API_KEY), host="127.0.0.1", port=port, log_level="warning"
@@ -40,7 +50,7 @@ def serve_tinker(model_dir: Path, state_dir: Path, dtype: str = "float32") -> It
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, thread)
-        yield url
+        yield url, service
     finally:
         server.should_exit = True
         thread.join(60)

@@ -151,7 +151,15 @@ def add_serve_parser(commands) -> None:
         "routes are refused)",
     )
     serve.add_argument(
-        "--log-level", default="warning", help="uvicorn's log level (default: warning)"
+        "--log-level",
+        default="warning",
+        help="uvicorn's log level; at info, one line per request (default: warning)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="the request lines: `key=value` text or one JSON object per line (default: text)",
     )
     for name, field in EmbeddedEngineConfig.model_fields.items():
         if name not in CLIENT_SIDE:
@@ -267,8 +275,14 @@ def serve_model(args: argparse.Namespace, cfg: EmbeddedEngineConfig, name: str) 
         + ("enabled" if token else "disabled (no admin token)"),
         flush=True,
     )
+    app = create_app(engine, settings)
     run_server(
-        create_app(engine, settings), cfg, host=args.host, port=args.port, log_level=args.log_level
+        app,
+        cfg,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_format=args.log_format,
     )
 
 

@@ -206,6 +206,34 @@ def test_control_routes_need_the_admin_token(server):
     assert good.status_code == 200 and good.json() == {"is_paused": False}
 
 
+def test_metrics_count_requests_and_the_engines_tokens(server):
+    """`GET /metrics` of a real server, no token: the completion's tokens are counted
+    (their rate is the engine's tokens/s) and so is the request, by its route."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape():
+        text = httpx.get(f"{server.base_url}/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    before = scrape()
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 7, "ignore_eos": True}
+    assert httpx.post(f"{server.base_url}/v1/completions", json=body).status_code == 200
+    after = scrape()
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert moved("asyncgrpo_engine_generated_tokens_total") == 7
+    assert moved("asyncgrpo_engine_prompt_tokens_total") == 3
+    route = (("method", "POST"), ("route", "/v1/completions"), ("status", "200"))
+    assert moved("asyncgrpo_http_requests_total", route) == 1
+    assert moved("asyncgrpo_engine_busy_seconds_total") > 0
+
+
 async def _running(client: EngineClient) -> int:
     stats = (await client.server_info())["stats"]
     return stats["running"] + stats["waiting"] + stats["prefilling"]

@@ -7,6 +7,7 @@ the sampler's log-probs agree to ~1e-5); every test talks to it only through
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -40,6 +41,26 @@ def service(server_url):
 @pytest.fixture(scope="module")
 def base_model(tiny_model_dir):
     return str(tiny_model_dir)
+
+
+def test_the_dynamic_client_config_is_served_as_the_sdk_reads_it(server_url):
+    """The SDK's own call (the one its client makes at start and every refresh period),
+    with its strict response validation: a 404 or a body of another shape raises."""
+    from tinker._client import AsyncTinker  # the client the SDK's ServiceClient sends with
+
+    from asyncgrpo.tinker.app import DYNAMIC_CLIENT_CONFIG
+
+    async def fetch():
+        async with AsyncTinker(
+            base_url=server_url, api_key=API_KEY, _strict_response_validation=True
+        ) as client:
+            request = types.ClientConfigRequest(sdk_version=tinker.__version__)
+            return await client.service.client_dynamic_config(request=request, max_retries=0)
+
+    config = asyncio.run(fetch())
+    assert isinstance(config, types.ClientDynamicConfigResponse)
+    assert config.model_dump() == DYNAMIC_CLIENT_CONFIG
+    assert config.sample_cancel_enabled is False  # no cancel_future route to send to
 
 
 def test_sft_with_cross_entropy_lowers_the_loss(service, base_model):

@@ -1,5 +1,6 @@
 """The server application in-process over a fake engine: auth, limits, weight-update state, errors."""
 
+import logging
 import struct
 import threading
 import time
@@ -231,3 +232,55 @@ def test_chat_templates_render_off_the_event_loop():
         chat.join(10)
     assert seen["released"] and seen["thread"].startswith("asyncgrpo-prompts")
     assert answers["chat"].status_code == 200
+
+
+def test_every_request_is_logged_once_with_the_reason_of_a_refusal(engine, caplog):
+    from asyncgrpo.inference.server.request_log import REQUEST_LOGGER
+
+    with caplog.at_level(logging.INFO, logger=REQUEST_LOGGER):
+        with make_client(engine, admin_token="s3cret", max_body_bytes=1000) as client:
+            client.get("/server_info")
+            client.post("/v1/completions", content=b"x" * 2000)
+            client.get("/v1/models/whatever/nowhere")
+            client.get("/health")
+    lines = [r.getMessage() for r in caplog.records if r.name == REQUEST_LOGGER]
+    assert len(lines) == 4
+    assert lines[0].startswith("GET /server_info 401 ")
+    assert 'refused="missing or wrong admin token"' in lines[0]
+    assert lines[1].startswith("POST /v1/completions 413 ") and "refused=" in lines[1]
+    assert lines[2].startswith("GET /v1/models/whatever/nowhere 404 ")
+    assert lines[3].startswith("GET /health 200 ") and "refused" not in lines[3]
+    fields = caplog.records[-1].request
+    assert fields["status"] == 200 and fields["latency_ms"] >= 0
+
+
+def test_metrics_need_no_token_parse_and_count_requests_by_route(engine):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(client):
+        text = client.get("/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    with make_client(engine, admin_token="s3cret") as client, make_client(FakeEngine()) as other:
+        before = scrape(client)
+        for _ in range(3):
+            client.get("/server_info", headers=AUTH)
+        client.get("/server_info")
+        after = scrape(client)
+        apart = scrape(other)  # a second application in this process counts on its own
+
+    def count(samples, status):
+        key = (("method", "GET"), ("route", "/server_info"), ("status", status))
+        return samples.get(("asyncgrpo_http_requests_total", key), 0.0)
+
+    assert count(after, "200") - count(before, "200") == 3
+    assert count(after, "401") - count(before, "401") == 1
+    assert count(apart, "200") == 0
+    seconds = ("asyncgrpo_http_request_duration_seconds_count", (("route", "/server_info"),))
+    assert after[seconds] == 4
+    assert after[("asyncgrpo_engine_busy_seconds_total", ())] == 1.5  # the engine's stats()
+    assert after[("asyncgrpo_engine_running_requests", ())] == 0

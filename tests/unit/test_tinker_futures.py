@@ -125,3 +125,51 @@ def test_unknown_request_ids_raise_key_error():
 
     with pytest.raises(KeyError):
         run(scenario())
+
+
+def test_an_ended_session_fails_its_pending_futures_and_stops_the_queued_ones():
+    """`fail_owned`: the owner's pending futures answer the error at once; interruptible
+    work queued behind others never runs, uninterruptible work runs on with its result
+    dropped; other owners' futures and finished results are untouched."""
+
+    async def scenario():
+        table, order, release, ran = FutureTable(), SeqOrder(), asyncio.Event(), []
+
+        def op(name, seq_id=None, in_order=True):
+            async def work():
+                await release.wait()
+                ran.append(name)
+                return Outcome(json={"op": name})
+
+            return (lambda: order.run(seq_id, work)) if in_order else work
+
+        done = table.submit(None, lambda: _outcome("finished before"), owner="s1")
+        await table.retrieve(done, 5)
+        running = table.submit(None, op("running", 1), owner="s1")
+        queued = table.submit(None, op("queued", 2), owner="s1")
+        engine = table.submit(None, op("engine", in_order=False), owner="s1", interruptible=False)
+        other = table.submit(None, op("other", in_order=False), owner="s2")
+        await asyncio.sleep(0)
+        depth_before = order.depth
+        failed = table.fail_owned("s1", {"error": "session s1 expired", "category": "user"})
+        outcomes = {
+            n: await table.retrieve(r, 0.01)
+            for n, r in [("running", running), ("queued", queued), ("engine", engine)]
+        }
+        release.set()
+        other_outcome = await table.retrieve(other, 5)
+        await asyncio.sleep(0.05)
+        return (failed, depth_before, outcomes, other_outcome, ran, table, done)
+
+    failed, depth_before, outcomes, other_outcome, ran, table, done = run(scenario())
+    assert failed == 3 and depth_before == 2
+    assert all(
+        o.error == {"error": "session s1 expired", "category": "user"} for o in outcomes.values()
+    )
+    assert other_outcome.json == {"op": "other"}
+    assert sorted(ran) == ["engine", "other"]  # the cancelled ones never ran
+    assert table.pending == 0 and table.pending_owned("s1") == 0
+
+
+async def _outcome(name):
+    return Outcome(json={"op": name})

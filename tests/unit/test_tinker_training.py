@@ -4,7 +4,9 @@ and SFT that learns, on a tiny Llama built in code."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -227,6 +229,36 @@ def test_remove_keeps_the_other_models_serving():
     models.remove("a")
     assert "a" not in models.models
     for old, new in zip(before, logprobs(models, "b"), strict=True):
+        assert np.array_equal(old, new)
+
+
+def test_removed_models_leave_memory_the_last_one_too():
+    """What a session's end relies on: after `remove`, nothing holds a model's adapter,
+    gradients or Adam state, and a model created afterwards starts as on a fresh base."""
+    models = make_models()
+    held = []
+    for model_id, seed in (("a", 1), ("b", 2)):
+        models.create(model_id, rank=4, seed=seed)
+        models.forward_backward(model_id, batch(), "cross_entropy")
+        models.optim_step(model_id, ADAM)
+        models.forward_backward(model_id, batch(1), "cross_entropy")  # gradients pending
+        trainer = models.models[model_id].trainer
+        factors = adapter_factors(models.peft_model, models.models[model_id].adapter)
+        held += [weakref.ref(trainer), weakref.ref(trainer.optimizer)]
+        held += [weakref.ref(p) for p in factors.values()]
+        held += [
+            weakref.ref(s) for p in factors.values() for s in trainer.optimizer.state[p].values()
+        ]
+        del trainer, factors
+    models.remove("a")
+    models.remove("b")
+    gc.collect()
+    assert held and [ref() for ref in held] == [None] * len(held)
+    assert not any("lora_" in name for name, _ in models.peft_model.named_parameters())
+    models.create("c", rank=4, seed=1)
+    fresh = make_models()
+    fresh.create("c", rank=4, seed=1)
+    for old, new in zip(logprobs(fresh, "c"), logprobs(models, "c"), strict=True):
         assert np.array_equal(old, new)
 
 

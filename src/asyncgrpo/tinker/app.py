@@ -7,6 +7,10 @@ the SDK raises at once; a decoded request that is wrong still takes its place in
 model's `seq_id` order and fails as a user error through its future, so the requests
 queued behind it run. The routes and their bodies are the ones the SDK's resources call
 and its types validate (`tinker.resources`, `tinker.types`); `wire.py` tabulates them.
+
+Every request is logged in one line (route, session, model, status, latency, and the reason
+of a refusal) and counted for `GET /metrics` (Prometheus; open like the health check, see
+`asyncgrpo.inference.server.metrics` for why; `tinker/metrics.py` for what it says).
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from asyncgrpo.inference.server import metrics
 from asyncgrpo.inference.server.limits import BodyLimitMiddleware
-from asyncgrpo.tinker import json_wire, sample_wire, state_ops, wire
+from asyncgrpo.inference.server.request_log import RequestObserver
+from asyncgrpo.tinker import json_wire, sample_wire, sampling_ops, state_ops, wire
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.futures import LONG_POLL_S
 from asyncgrpo.tinker.service import TinkerService
+from asyncgrpo.tinker.sessions import SessionEnded
 
 PROTOBUF = "application/x-protobuf"
 KEY_PREFIX = "tml-"
@@ -34,6 +41,15 @@ CLIENT_CONFIG = {
     "custom_loss_server_side": False,
     "sample_join_sampling_session": False,
     "proto_compress_fwdbwd": False,
+}
+DYNAMIC_CLIENT_CONFIG = {
+    # the flags a live client re-fetches (`ClientDynamicConfigResponse`); nothing here changes
+    # while the server runs, so the SDK's default period stands
+    "refresh_interval_sec": 300,
+    # no `/api/v1/cancel_future` here: an abandoned sample runs to its end, and a client gone
+    # for `--session-ttl` has its samples' results dropped with its session
+    "sample_cancel_enabled": False,
+    "sample_cancel_max_batch_size": 64,
 }
 
 
@@ -54,6 +70,9 @@ def create_app(service: TinkerService, api_key: str, long_poll_s: float = LONG_P
     app = FastAPI(title="asyncgrpo tinker-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.service, app.state.api_key, app.state.long_poll_s = service, api_key, long_poll_s
     app.add_middleware(BodyLimitMiddleware, default_limit=service.limits.max_request_bytes)
+    registry = metrics.new_registry()  # this application's own
+    registry.register(service.metrics)
+    app.add_middleware(RequestObserver, metrics=metrics.HttpMetrics(registry))  # outermost
 
     @app.exception_handler(TinkerUserError)
     async def user_error(request: Request, exc: TinkerUserError):
@@ -62,6 +81,10 @@ def create_app(service: TinkerService, api_key: str, long_poll_s: float = LONG_P
     @app.get("/api/v1/healthz")
     async def healthz():
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return metrics.metrics_response(registry)
 
     for routes in (_session_routes, _training_routes, _sampling_routes):
         app.include_router(routes(), prefix="/api/v1", dependencies=[Depends(require_key)])
@@ -100,6 +123,10 @@ def _session_routes() -> APIRouter:
     async def client_config():
         return CLIENT_CONFIG
 
+    @router.post("/client/dynamic_config")
+    async def client_dynamic_config():
+        return DYNAMIC_CLIENT_CONFIG
+
     @router.post("/telemetry")
     async def telemetry():
         return {"status": "accepted"}
@@ -110,12 +137,15 @@ def _session_routes() -> APIRouter:
 
     @router.post("/session_heartbeat")
     async def heartbeat(request: Request):
-        service(request).session(str((await _json(request)).get("session_id")))
+        try:
+            service(request).session(str((await _json(request)).get("session_id")))
+        except SessionEnded as exc:  # 410 is what stops the SDK's heartbeat loop
+            return JSONResponse({"error": str(exc), "category": "user"}, status_code=410)
         return {"type": "session_heartbeat"}
 
     @router.post("/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
-        service(request).session(session_id).finished = True
+        service(request).finish_session(session_id)
         return {}
 
     @router.get("/get_server_capabilities")
@@ -156,7 +186,7 @@ def _training_routes() -> APIRouter:
 
     @router.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request):
-        return service(request).save_weights_for_sampler(await _json(request))
+        return sampling_ops.save_weights_for_sampler(service(request), await _json(request))
 
     @router.post("/save_weights")
     async def save_weights(request: Request):
@@ -177,24 +207,23 @@ def _sampling_routes() -> APIRouter:
 
     @router.post("/create_sampling_session")
     async def create_sampling_session(request: Request):
-        return service(request).create_sampling_session(await _json(request))
+        return sampling_ops.create_sampling_session(service(request), await _json(request))
 
     @router.get("/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request):
-        return service(request).get_sampler(sampler_id)
+        return sampling_ops.get_sampler(service(request), sampler_id)
 
     @router.post("/asample")
     async def asample(request: Request):
         svc = service(request)
-        return svc.sample(sample_wire.decode_sample_request(await _json(request), svc.limits))
+        call = sample_wire.decode_sample_request(await _json(request), svc.limits)
+        return sampling_ops.sample(svc, call)
 
     @router.post("/retrieve_future")
     async def retrieve_future(request: Request):
         request_id = str((await _json(request)).get("request_id"))
         try:
-            outcome = await service(request).futures.retrieve(
-                request_id, request.app.state.long_poll_s
-            )
+            outcome = await service(request).retrieve(request_id, request.app.state.long_poll_s)
         except KeyError:
             raise TinkerUserError("request_id", f"unknown request {request_id!r}") from None
         if outcome is None:

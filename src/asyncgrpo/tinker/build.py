@@ -11,6 +11,7 @@ from asyncgrpo.base.hardware import keep_freed_memory
 from asyncgrpo.inference.adapters import ADAPTER_PREFIX, LORA_A_SUFFIX, LORA_B_SUFFIX
 from asyncgrpo.tinker.limits import TinkerLimits
 from asyncgrpo.tinker.service import ServedModel, TinkerService
+from asyncgrpo.tinker.sessions import DEFAULT_TTL_S
 
 
 def build_service(
@@ -19,9 +20,11 @@ def build_service(
     engine_cfg: EmbeddedEngineConfig,
     state_dir: Path,
     limits: TinkerLimits | None = None,
+    session_ttl_s: float = DEFAULT_TTL_S,
 ) -> TinkerService:
     """The service over `model_dir`; its engine process starts loading at once. It trains
-    on this process's CPU, which keeps freed memory for reuse (`keep_freed_memory`)."""
+    on this process's CPU, which keeps freed memory for reuse (`keep_freed_memory`).
+    `session_ttl_s`: how long a session lives without a word from its client."""
     from transformers import AutoModelForCausalLM
 
     from asyncgrpo.inference.backend.embedded import EmbeddedBackend
@@ -41,7 +44,13 @@ def build_service(
     bf16 = {"bfloat16": True, "float32": False}.get(engine_cfg.dtype, "auto")
     models = LoraModels(base, TrainerConfig(bf16_autocast=bf16))
     return TinkerService(
-        served, models, backend, limits or TinkerLimits(), zero_adapter(base), state_dir
+        served,
+        models,
+        backend,
+        limits or TinkerLimits(),
+        zero_adapter(base),
+        state_dir,
+        session_ttl_s,
     )
 
 

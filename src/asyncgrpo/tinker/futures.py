@@ -41,8 +41,11 @@ class Outcome:
 
 @dataclass
 class _Entry:
+    owner: str | None = None  # the session it belongs to
+    interruptible: bool = True
     done: asyncio.Event = field(default_factory=asyncio.Event)
     outcome: Outcome | None = None
+    task: asyncio.Task | None = None
 
 
 class FutureTable:
@@ -54,29 +57,67 @@ class FutureTable:
         self._ids = itertools.count(1)
         self._keep = keep_finished
         self._tasks: set[asyncio.Task] = set()
+        self.pending = 0  # submitted, not yet done
 
-    def submit(self, key: tuple | None, work: Callable[[], Awaitable[Outcome]]) -> str:
-        """Start `work` (unless `key` was submitted before) and return its request id."""
+    def submit(
+        self,
+        key: tuple | None,
+        work: Callable[[], Awaitable[Outcome]],
+        owner: str | None = None,
+        interruptible: bool = True,
+    ) -> str:
+        """Start `work` (unless `key` was submitted before) and return its request id.
+
+        `owner`: the session whose end fails it (`fail_owned`); `interruptible`: whether
+        that end may also cancel the work (False for work that must not stop halfway, such
+        as a weight sync on the engine: it runs on and its result is dropped)."""
         if key is not None and key in self._by_key:
             return self._by_key[key]
         request_id = f"req-{next(self._ids)}"
-        entry = self._entries[request_id] = _Entry()
+        entry = self._entries[request_id] = _Entry(owner, interruptible)
         if key is not None:
             self._by_key[key] = request_id
-        task = asyncio.get_running_loop().create_task(self._run(entry, work))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.pending += 1
+        entry.task = asyncio.get_running_loop().create_task(self._run(entry, work))
+        self._tasks.add(entry.task)
+        entry.task.add_done_callback(self._tasks.discard)
         return request_id
 
     async def _run(self, entry: _Entry, work: Callable[[], Awaitable[Outcome]]) -> None:
         try:
-            entry.outcome = await work()
+            outcome = await work()
         except Exception as exc:  # a user error, a bug or an engine failure: serve on
+            if entry.done.is_set():
+                return  # failed already (its session ended): whatever came after is moot
             if not isinstance(exc, TinkerUserError):
                 logger.exception("tinker operation failed")
-            entry.outcome = Outcome(error=as_error_body(exc))
+            outcome = Outcome(error=as_error_body(exc))
+        self._finish(entry, outcome)
+
+    def _finish(self, entry: _Entry, outcome: Outcome) -> None:
+        if entry.done.is_set():
+            return
+        entry.outcome = outcome
         entry.done.set()
+        self.pending -= 1
         self._forget_old()
+
+    def fail_owned(self, owner: str, error: dict[str, str]) -> int:
+        """Fail every pending operation of `owner` with the body `error`, cancelling the
+        interruptible ones (an operation queued behind others then never runs); how many."""
+        failed = [e for e in self._entries.values() if e.owner == owner and not e.done.is_set()]
+        for entry in failed:
+            self._finish(entry, Outcome(error=error))
+            if entry.interruptible and entry.task is not None:
+                entry.task.cancel()
+        return len(failed)
+
+    def pending_owned(self, owner: str) -> int:
+        return sum(e.owner == owner and not e.done.is_set() for e in self._entries.values())
+
+    def owner(self, request_id: str) -> str | None:
+        """The session `request_id` belongs to; an unknown id raises `KeyError`."""
+        return self._entries[request_id].owner
 
     async def retrieve(self, request_id: str, wait_s: float = LONG_POLL_S) -> Outcome | None:
         """The outcome, waiting up to `wait_s` for it; None while it is still running.
@@ -114,8 +155,16 @@ class SeqOrder:
     def __init__(self, first: int = 1):
         self._next = first
         self._turn = asyncio.Condition()
+        self.depth = 0  # operations queued or running: the model's queue depth
 
     async def run(self, seq_id: int | None, work: Callable[[], Awaitable[Any]]) -> Any:
+        self.depth += 1
+        try:
+            return await self._in_turn(seq_id, work)
+        finally:
+            self.depth -= 1
+
+    async def _in_turn(self, seq_id: int | None, work: Callable[[], Awaitable[Any]]) -> Any:
         if seq_id is None:
             return await work()
         async with self._turn:

@@ -26,6 +26,7 @@ import torch
 from asyncgrpo.inference.backend.base import EngineBackend
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.sample_wire import SampleCall, SampledSequence, encode_sample_response
+from asyncgrpo.tinker.sessions import owner_of
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -117,6 +118,17 @@ class SamplerRegistry:
 
     def saved(self, path: str) -> Sampler | None:
         return self._saved.get(path)
+
+    def remove_owned(self, session_id: str) -> None:
+        """Forget the samplers of an ended session, and the weights of paths it saved or
+        opened (they load from disk again when asked for)."""
+        self._samplers = {
+            k: v for k, v in self._samplers.items() if owner_of(v.sampler_id) != session_id
+        }
+        self._saved = {k: v for k, v in self._saved.items() if owner_of(v.sampler_id) != session_id}
+
+    def __len__(self) -> int:
+        return len(self._samplers)
 
 
 def engine_args(call: SampleCall) -> dict:

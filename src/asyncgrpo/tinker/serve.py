@@ -14,6 +14,8 @@ import secrets
 import sys
 from pathlib import Path
 
+from asyncgrpo.tinker.sessions import DEFAULT_TTL_S, SDK_HEARTBEAT_S
+
 API_KEY_ENV = "ASYNCGRPO_TINKER_API_KEY"
 
 
@@ -46,8 +48,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--trainer-threads", type=int, default=1, help="the trainer's threads (default: 1)"
     )
+    parser.add_argument(
+        "--session-ttl",
+        type=_positive_seconds,
+        default=DEFAULT_TTL_S,
+        help="seconds a session lives without a heartbeat or request from its client (the "
+        f"SDK heartbeats every {SDK_HEARTBEAT_S:g} s); then its pending operations fail and "
+        "its models and samplers leave memory, what it saved stays on disk "
+        f"(default: {DEFAULT_TTL_S:g})",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="the one line logged per request (method, route, status, latency, session, "
+        "model, a refusal's reason) and the service's own records: `key=value` text or one "
+        "JSON object per line, on stderr (default: text)",
+    )
     parser.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def api_key() -> tuple[str, bool]:
@@ -85,7 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     engine_cfg = EmbeddedEngineConfig(
         model=str(model_dir), dtype=args.dtype, num_threads=args.engine_threads
     )
-    service = build_service(args.model, Path(model_dir), engine_cfg, Path(args.state_dir))
+    service = build_service(
+        args.model,
+        Path(model_dir),
+        engine_cfg,
+        Path(args.state_dir),
+        session_ttl_s=args.session_ttl,
+    )
+    if args.session_ttl < 2 * SDK_HEARTBEAT_S:
+        print(
+            f"warning: --session-ttl {args.session_ttl:g} is under two of the SDK's "
+            f"{SDK_HEARTBEAT_S:g} s heartbeat periods: an idle client's session may end "
+            "between its heartbeats",
+            file=sys.stderr,
+        )
     if generated:
         print(f"API key (set {API_KEY_ENV} to choose one): {key}", flush=True)
     print(
@@ -99,5 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        log_format=args.log_format,
+        request_log_level="info",  # a line per request whatever uvicorn's own level
+        log_also=("asyncgrpo.tinker",),
     )
     return 0

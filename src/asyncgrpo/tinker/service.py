@@ -1,51 +1,47 @@
 """What `asyncgrpo tinker-serve` does behind its routes: sessions, training models, samplers.
 
-The HTTP layer (`app.py`) decodes a request and calls one method here. Training work runs
-on one worker thread (the models share one base, so one operation at a time), in each
-model's `seq_id` order (`futures.SeqOrder`); sampling runs on the engine, its own process,
-so a client samples batch n+1 while batch n trains. Every submitted operation answers a
+The HTTP layer (`app.py`) decodes a request and calls one method here (or a function of
+`state_ops.py` for saved states, of `sampling_ops.py` for samplers and samples). Training
+work runs on one worker thread (the models share one base, so one operation at a time), in
+each model's `seq_id` order (`futures.SeqOrder`); sampling runs on the engine, its own
+process, so a client samples batch n+1 while batch n trains. Every submitted operation answers a
 request id at once and its outcome is fetched with `futures.FutureTable.retrieve`.
 
 Ids follow what the SDK assumes: a model created as `model_seq_id` k of session s is
 `s:train:k`; a sampler is `s:sample:k`; saved sampler weights live at
-`tinker://<model_id>/sampler_weights/<name>`.
+`tinker://<model_id>/sampler_weights/<name>`. Everything a session created is released when
+it ends (`sessions.py`): its pending futures fail, its models and samplers leave memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import secrets
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncgrpo.base.hardware import threads_here, use_threads_here
+from asyncgrpo.inference.server.request_log import note
 from asyncgrpo.tinker import wire
-from asyncgrpo.tinker.checkpoints import CheckpointStore, check_name, tinker_path
+from asyncgrpo.tinker.checkpoints import CheckpointStore
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.futures import FutureTable, Outcome, SeqOrder
 from asyncgrpo.tinker.json_wire import CreateModelCall, OptimStepCall
 from asyncgrpo.tinker.limits import TinkerLimits
-from asyncgrpo.tinker.sample_wire import SampleCall, check_sample
+from asyncgrpo.tinker.metrics import TinkerMetrics
 from asyncgrpo.tinker.sampling import (
     EngineWeights,
     NamedTensors,
-    Sampler,
     SamplerRegistry,
-    engine_args,
-    sample_response,
 )
+from asyncgrpo.tinker.sessions import CLOSED, DEFAULT_TTL_S, EXPIRED, SessionTable, owner_of
 
-
-@dataclass
-class Session:
-    session_id: str
-    started: float = field(default_factory=time.monotonic)
-    last_seen: float = field(default_factory=time.monotonic)
-    finished: bool = False
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,10 +65,12 @@ class TinkerService:
         limits: TinkerLimits,
         base_adapter: NamedTensors,
         state_dir: Path,
+        session_ttl_s: float = DEFAULT_TTL_S,
     ):
         """`models`: the training models (`training.LoraModels`); `backend`: the engine
         that samples (`asyncgrpo.inference.backend`); `base_adapter`: an adapter that leaves the
-        engine at the base weights; `state_dir`: where `tinker://` paths are stored."""
+        engine at the base weights; `state_dir`: where `tinker://` paths are stored;
+        `session_ttl_s`: how long a session lives without a word from its client."""
         self.served = served
         self.models = models
         self.backend = backend
@@ -81,9 +79,12 @@ class TinkerService:
         self.samplers = SamplerRegistry()
         self.checkpoints = CheckpointStore(state_dir)
         self.engine = EngineWeights(backend, lambda: base_adapter)
-        self.sessions: dict[str, Session] = {}
+        self.sessions = SessionTable(session_ttl_s)
+        self.metrics = TinkerMetrics(self)
+        self._reaper: asyncio.Task | None = None
         self._order: dict[str, SeqOrder] = {}
-        self._latest: dict[str, tuple[int, Any]] = {}  # model id → (version, its weights)
+        # model id → (version, its newest weights), which `inflight` samplers follow
+        self.latest: dict[str, tuple[int, Any]] = {}
         # the trainer's thread computes on this (building) thread's count, not on whatever
         # process-wide count it would copy at its first op (hardware.use_threads_here)
         self._trainer = ThreadPoolExecutor(
@@ -94,15 +95,70 @@ class TinkerService:
 
     def create_session(self) -> dict:
         session_id = f"session-{secrets.token_hex(6)}"
-        self.sessions[session_id] = Session(session_id)
+        self.sessions.add(session_id)
+        note(session=session_id)
         return {"type": "create_session", "session_id": session_id}
 
-    def session(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise TinkerUserError("session_id", f"unknown session {session_id!r}")
-        session.last_seen = time.monotonic()
-        return session
+    def session(self, session_id: str):
+        """The live session (`sessions.Session`), refused if ended or unknown."""
+        note(session=session_id)
+        return self.sessions.get(session_id)
+
+    def heard(self, some_id: str, field_name: str) -> None:
+        """A request names a model or sampler: its session's client is alive (refused if
+        that session ended); both go on the request's log line."""
+        note(session=owner_of(some_id), model=some_id)
+        self.sessions.touch(some_id, field_name)
+
+    def finish_session(self, session_id: str) -> None:
+        """The client closed the session: it ends now (closing an ended one again is a
+        no-op, as the SDK's first-wins finish reason has it)."""
+        if not self.sessions.is_ended(session_id):
+            self.session(session_id)
+            self.end_session(session_id, CLOSED)
+
+    def end_session(self, session_id: str, how: str) -> None:
+        """End a live session (`how`: sessions.EXPIRED or CLOSED): its pending futures fail
+        with why, its samplers go now, its models after the operation the trainer is
+        running (on the trainer's thread, in turn). Its saved paths stay on disk."""
+        if not self.sessions.end(session_id, how):
+            return
+        error = {"error": self.sessions.ended_message(session_id, how), "category": "user"}
+        failed = self.futures.fail_owned(session_id, error)
+        self.samplers.remove_owned(session_id)
+        release = self._trainer.submit(self._release_models, session_id)
+        release.add_done_callback(_log_failure)
+        logger.info("session %s %s; %d pending operations failed", session_id, how, failed)
+
+    def _release_models(self, session_id: str) -> None:
+        """Trainer thread: the session's models leave memory (adapter, Adam state, the
+        snapshot its samplers follow)."""
+        owned = {*self._order, *self.latest, *self.models.models}
+        for model_id in [m for m in owned if owner_of(m) == session_id]:
+            self._order.pop(model_id, None)
+            self.latest.pop(model_id, None)
+            if model_id in self.models.models:
+                self.models.remove(model_id)
+
+    async def _expire_sessions(self) -> None:
+        """End the sessions whose clients have been silent for the TTL, checked a few
+        times per TTL (at most every 10 s)."""
+        period = min(self.sessions.ttl_s / 4, 10.0)
+        while True:
+            await asyncio.sleep(period)
+            for session_id in self.sessions.expired():
+                try:
+                    self.end_session(session_id, EXPIRED)
+                except Exception:  # a bug here must not stop every later expiry
+                    logger.exception("ending session %s failed", session_id)
+
+    def resident_models(self) -> int:
+        return len(self.models.models)
+
+    def queue_depths(self) -> dict[str, int]:
+        """Operations queued or running per model, in its seq_id order."""
+        orders = dict(self._order)  # one copy: the trainer's thread adds and removes models
+        return {model_id: order.depth for model_id, order in orders.items()}
 
     # ---- training models ---------------------------------------------------------
 
@@ -126,7 +182,10 @@ class TinkerService:
             self.register_model(model_id)
             return Outcome(json={"type": "create_model", "model_id": model_id})
 
-        request_id = self.futures.submit(("create", model_id), lambda: self.in_trainer(create))
+        request_id = self.futures.submit(
+            ("create", model_id), lambda: self.in_trainer(create), owner=call.session_id
+        )
+        note(model=model_id, request_id=request_id)
         return {"request_id": request_id, "model_id": model_id}
 
     def get_info(self, model_id: str) -> dict:
@@ -149,8 +208,10 @@ class TinkerService:
             wire.check_datums(
                 call.datums, call.loss_fn, self.served.vocab_size, self.served.max_length
             )
-            run = self.models.forward if call.forward_only else self.models.forward_backward
-            out = run(call.model_id, call.datums, call.loss_fn, call.loss_fn_config)
+            name = "forward" if call.forward_only else "forward_backward"
+            run = getattr(self.models, name)
+            with self.metrics.timed(name):
+                out = run(call.model_id, call.datums, call.loss_fn, call.loss_fn_config)
             return Outcome(proto=wire.encode_forward_backward_output(out.logprobs, out.metrics))
 
         return self.ordered(call.model_id, call.seq_id, run)
@@ -159,7 +220,8 @@ class TinkerService:
         model_id = call.model_id
 
         def run() -> Outcome:
-            metrics = self.models.optim_step(model_id, call.adam)
+            with self.metrics.timed("optim_step"):
+                metrics = self.models.optim_step(model_id, call.adam)
             self.publish(model_id)
             return Outcome(json={"type": "optim_step", "metrics": metrics})
 
@@ -178,90 +240,6 @@ class TinkerService:
             return self.ordered(owner, seq_id, refuse)
         raise exc
 
-    def save_weights_for_sampler(self, body: dict) -> dict:
-        model_id, seq_id = str(body.get("model_id")), body.get("seq_id")
-        kind = body.get("kind") or "snapshot"
-        name, session_seq = body.get("path"), body.get("sampling_session_seq_id")
-
-        def run() -> Outcome:  # validated in turn, so a bad request still takes its seq_id
-            if kind not in ("snapshot", "inflight"):
-                raise TinkerUserError("kind", f"must be 'snapshot' or 'inflight', not {kind!r}")
-            if (name is None) == (session_seq is None):
-                raise TinkerUserError("path", "give one of path and sampling_session_seq_id")
-            session = model_id.split(":train:")[0]
-            if name is not None:
-                path = tinker_path(model_id, "sampler_weights", check_name(str(name)))
-                sampler_id = f"{session}:weights:{name}"
-            else:
-                path, sampler_id = None, f"{session}:sample:{int(session_seq)}"
-            snapshot = self._latest[model_id][1] if kind == "snapshot" or path else None
-            if path is not None:
-                self.checkpoints.save_sampler(path, snapshot)
-            self.samplers.add(
-                Sampler(
-                    sampler_id,
-                    self.served.name,
-                    model_path=path,
-                    weights=snapshot,
-                    follows=None if snapshot is not None else model_id,
-                )
-            )
-            result = {"path": path} if path else {"sampling_session_id": sampler_id}
-            return Outcome(json={"type": "save_weights_for_sampler", **result})
-
-        return self.ordered(model_id, seq_id, run)
-
-    # ---- sampling ----------------------------------------------------------------
-
-    def create_sampling_session(self, body: dict) -> dict:
-        session = self.session(str(body.get("session_id")))
-        sampler_id = f"{session.session_id}:sample:{int(body['sampling_session_seq_id'])}"
-        path, base = body.get("model_path"), body.get("base_model")
-        if path is not None:
-            saved = self.samplers.saved(str(path))
-            weights = saved.weights if saved else self.checkpoints.load_sampler(str(path))
-            sampler = Sampler(sampler_id, self.served.name, str(path), weights)
-        elif base == self.served.name:
-            sampler = Sampler(sampler_id, self.served.name)
-        else:
-            raise TinkerUserError(
-                "base_model", f"this server samples {self.served.name!r}, not {base!r}"
-            )
-        self.samplers.add(sampler)
-        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
-
-    def get_sampler(self, sampler_id: str) -> dict:
-        sampler = self.samplers.get(sampler_id)
-        return {
-            "sampler_id": sampler.sampler_id,
-            "base_model": sampler.base_model,
-            "model_path": sampler.model_path,
-        }
-
-    def sample(self, call: SampleCall) -> dict:
-        sampler = self.samplers.get(call.sampling_session_id)
-        call = check_sample(call, self.served.vocab_size, self.served.max_length)
-
-        async def run() -> Outcome:
-            key, weights = self._weights_of(sampler)
-            async with self.engine.holding(key, weights):
-                completion = await self.backend.client.complete(
-                    call.prompt.tolist(), **engine_args(call)
-                )
-            return Outcome(proto=sample_response(completion, call))
-
-        key = ("sample", call.sampling_session_id, call.seq_id) if call.seq_id else None
-        request_id = self.futures.submit(key, run)
-        ids = [f"{request_id}:{i}" for i in range(call.num_samples)]
-        return {"request_id": request_id, "sample_sequence_ids": ids}
-
-    def _weights_of(self, sampler: Sampler) -> tuple[tuple, Callable]:
-        if sampler.follows is None:
-            weights = sampler.weights
-            return (("sampler", sampler.sampler_id) if weights else ("base",)), lambda: weights
-        version, weights = self._latest[sampler.follows]
-        return ("model", sampler.follows, version), lambda: weights
-
     # ---- plumbing ----------------------------------------------------------------
 
     def register_model(self, model_id: str) -> None:
@@ -271,10 +249,11 @@ class TinkerService:
 
     def publish(self, model_id: str) -> None:
         """The model's weights changed: `inflight` samplers follow. Trainer thread."""
-        version = self._latest[model_id][0] + 1 if model_id in self._latest else 0
-        self._latest[model_id] = (version, self.models.sampler_weights(model_id))
+        version = self.latest[model_id][0] + 1 if model_id in self.latest else 0
+        self.latest[model_id] = (version, self.models.sampler_weights(model_id))
 
     def _require_model(self, model_id: str) -> None:
+        self.heard(model_id, "model_id")
         if model_id not in self._order:
             raise TinkerUserError("model_id", f"unknown model {model_id!r}")
 
@@ -287,16 +266,43 @@ class TinkerService:
             return await order.run(seq_id, lambda: self.in_trainer(work))
 
         key = (model_id, seq_id) if seq_id is not None else None
-        return {"request_id": self.futures.submit(key, run), "model_id": model_id}
+        request_id = self.futures.submit(key, run, owner=owner_of(model_id))
+        note(request_id=request_id)
+        return {"request_id": request_id, "model_id": model_id}
+
+    async def retrieve(self, request_id: str, long_poll_s: float):
+        """A future's outcome, or None while pending (`FutureTable.retrieve`). A poll is
+        word from its session's client, and is answered within half the TTL, so that a
+        client waiting on a long operation polls again before its session would expire."""
+        owner = self.futures.owner(request_id)  # KeyError: unknown
+        note(session=owner, request_id=request_id)
+        if owner is not None:
+            self.sessions.heard_from(owner)
+        wait_s = min(long_poll_s, self.sessions.ttl_s / 2)
+        outcome = await self.futures.retrieve(request_id, wait_s)
+        if outcome is not None and outcome.error is not None:  # the client's refusal
+            reason = "refused" if outcome.error.get("category") == "user" else "error"
+            note(**{reason: outcome.error.get("error")})
+        return outcome
 
     async def in_trainer(self, work: Callable[[], Outcome]) -> Outcome:
         return await asyncio.get_running_loop().run_in_executor(self._trainer, work)
 
     async def start(self) -> None:
-        """Wait for the engine to answer."""
+        """Wait for the engine to answer; from then on, silent sessions expire."""
         await self.backend.wait_ready()
+        self._reaper = asyncio.get_running_loop().create_task(self._expire_sessions())
 
     async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
         await self.futures.close()
         self._trainer.shutdown(wait=True, cancel_futures=True)
         await self.backend.close()
+
+
+def _log_failure(future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.error("releasing a session's models failed", exc_info=future.exception())

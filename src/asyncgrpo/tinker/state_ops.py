@@ -52,7 +52,9 @@ def load_weights(svc, body: dict) -> dict:
         svc.register_model(model_id)
         return _loaded(path, model_id)
 
-    request_id = svc.futures.submit(("create", model_id), lambda: svc.in_trainer(create_from))
+    request_id = svc.futures.submit(
+        ("create", model_id), lambda: svc.in_trainer(create_from), owner=session.session_id
+    )
     return {"request_id": request_id, "model_id": model_id}
 
 

@@ -154,12 +154,13 @@ class LoraModels:
             self.models[model_id] = _Model(adapter, spec, trainer)
 
     def remove(self, model_id: str) -> None:
-        """Forget a model; its adapter leaves the base model."""
+        """Forget a model: its adapter leaves the base model, its gradients and Adam state
+        go with its trainer (the last adapter too: peft then runs the bare base)."""
         with self.lock:
             model = self._model(model_id)
             del self.models[model_id]
-            if self.models:  # peft keeps at least one adapter
-                self.peft_model.delete_adapter(model.adapter)
+            model.trainer.optimizer.zero_grad(set_to_none=True)
+            self.peft_model.delete_adapter(model.adapter)
 
     def spec(self, model_id: str) -> LoraSpec:
         with self.lock:

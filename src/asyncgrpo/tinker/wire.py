@@ -16,8 +16,10 @@ while pending, or `{"error", "category"}` when failed):
 | route | request body | answer |
 |---|---|---|
 | client/config | `{sdk_version}` | `ClientConfigResponse` (all fields defaulted) |
+| client/dynamic_config | `{sdk_version}` | `ClientDynamicConfigResponse` (refetched every `refresh_interval_sec`) |
 | create_session | `{tags, user_metadata, sdk_version, ...}` | `CreateSessionResponse{session_id}` |
-| session_heartbeat | `{session_id}` | `SessionHeartbeatResponse{type}` |
+| session_heartbeat | `{session_id}` (every 10 s) | `SessionHeartbeatResponse{type}`; HTTP 410 stops the heartbeats |
+| sessions/{id}/finish | `{reason: {type}, detail}` (`ServiceClient.close`) | anything (not read) |
 | create_model | `CreateModelRequest` (`decode_create_model`) | future → `CreateModelResponse{model_id}` |
 | get_info | `{model_id}` | `GetInfoResponse{model_id, model_data{model_name, tokenizer_id}, is_lora, lora_rank}` |
 | forward_backward | protobuf (`decode_forward_backward`) | future → protobuf (`encode_forward_backward_output`) |

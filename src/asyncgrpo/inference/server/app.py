@@ -6,7 +6,8 @@ started and stopped with the application, so a test can run the same app
 in-process. Connection limits and timeouts are set where uvicorn runs it
 (`connections.py`). Request bodies are size-limited before routing; every error,
 including a failing engine, becomes a JSON error response and the next request
-is served normally.
+is served normally. Every request is counted for `GET /metrics` and logged in one line
+on the `asyncgrpo.requests` logger (shown from `--log-level info`: `request_log.py`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from asyncgrpo.base.config import EmbeddedEngineConfig
-from asyncgrpo.inference.server import control_routes, episodes, openai_routes
+from asyncgrpo.inference.server import control_routes, episodes, metrics, openai_routes
 from asyncgrpo.inference.server.errors import install_error_handlers
 from asyncgrpo.inference.server.limits import BodyLimitMiddleware
+from asyncgrpo.inference.server.request_log import RequestObserver
 from asyncgrpo.inference.server.toolcalls import get_parser
 from asyncgrpo.inference.server.weights import WeightReceiver
 
@@ -101,4 +103,20 @@ def create_app(engine, settings: ServerSettings | None = None) -> FastAPI:
         timeout_s=settings.body_timeout_s,
         per_piece=("/update_weights",),
     )
+    observe(app, engine)  # last: outermost, so refusals by the layers above count too
     return app
+
+
+def observe(app: FastAPI, engine) -> None:
+    """`GET /metrics` (requests, latencies, the engine's counters) and the request log."""
+    registry = metrics.new_registry()
+    http = None
+    if registry is not None:
+        http = metrics.HttpMetrics(registry)
+        registry.register(metrics.StateCollector(lambda: metrics.engine_families(engine)))
+    app.state.metrics_registry = registry
+    app.add_middleware(RequestObserver, metrics=http)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics(request: Request):
+        return metrics.metrics_response(request.app.state.metrics_registry)

@@ -35,6 +35,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.server.request_log import configure_request_log
 
 logger = logging.getLogger("uvicorn.error")
 
@@ -68,10 +69,23 @@ def connection_cap(max_connections: int, fd_limit: int) -> int:
     return max(1, min(max_connections, fd_limit - FD_RESERVE))
 
 
-def run_server(app, cfg: EmbeddedEngineConfig, *, host: str, port: int, log_level: str) -> None:
-    """Serve `app` with the connection limits of `cfg`, until interrupted."""
+def run_server(
+    app,
+    cfg: EmbeddedEngineConfig,
+    *,
+    host: str,
+    port: int,
+    log_level: str,
+    log_format: str = "text",
+    request_log_level: str | None = None,
+    log_also: tuple[str, ...] = (),
+) -> None:
+    """Serve `app` with the connection limits of `cfg`, until interrupted. The request
+    lines (`request_log.py`) and the loggers `log_also` go to stderr as `log_format`
+    from `request_log_level` up (default: `log_level`, uvicorn's)."""
     import uvicorn
 
+    configure_request_log(log_format, request_log_level or log_level, loggers=log_also)
     before, after = raise_fd_limit()
     cap = connection_cap(cfg.max_connections, after)
     note = "" if cap == cfg.max_connections else f" (max_connections {cfg.max_connections})"
