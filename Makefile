@@ -96,10 +96,11 @@ test-cookbook: $(STAMP) $(COOKBOOK_VENV)/.installed
 	ASYNCGRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python \
 		timeout 900 $(BIN)/python -m pytest -q -m slow tests/integration/test_tinker_cookbook.py
 
-# The trainer on a CUDA GPU (trainer.device, FSDP2 over NCCL, a CLI run): tests marked `gpu`,
+# The trainer on a CUDA GPU (trainer.device, FSDP2 over NCCL, a CLI run) and the paged KV
+# cache, paged attention and weight handover the CUDA engine is built from: tests marked `gpu`,
 # skipped where torch sees no GPU. Needs a CUDA build of torch in .venv (not the CPU pin).
 test-gpu: $(STAMP)
-	$(BIN)/python -m pytest -q -m gpu tests/integration/test_cuda_trainer.py
+	$(BIN)/python -m pytest -q -m gpu tests/integration/test_cuda_trainer.py tests/unit/test_paged_cuda.py
 
 # ruff, then the import layers of pyproject.toml's [tool.importlinter] (this checkout's src,
 # whichever checkout the venv was installed from), then tools/check_words.py: comments and

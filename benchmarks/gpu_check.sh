@@ -1,8 +1,8 @@
 #!/bin/bash
 # The GPU checks in one short call, in the order that matters if time runs out: the GPU
-# tests, then the trainer against the padded step on Qwen2.5-0.5B's shape, then attention
-# alone. Run from the repository root on a machine with one CUDA GPU and torch,
-# transformers and pytest installed; writes every table and JSON under $OUT (default
+# tests (the trainer's, then the paged KV cache's), then the trainer against the padded
+# step on Qwen2.5-0.5B's shape, then attention alone. Run from the repository root on a
+# machine with one CUDA GPU and torch, transformers and pytest installed; writes every table and JSON under $OUT (default
 # ./gpu_out), the benchmarks' result files under $OUT/results/<benchmark>/ (copy them into
 # benchmarks/results/ to keep them). About 4 minutes on an H100, start-up not counted.
 #
@@ -24,6 +24,9 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 
 timeout 150 python3 -m pytest -q -m gpu tests/integration/test_cuda_trainer.py \
     -p no:cacheprovider 2>&1 | tail -3
+# the CUDA engine's parts: paged attention against the dense reference, IPC weight handover
+timeout 240 python3 -m pytest -q -m gpu tests/unit/test_paged_cuda.py -p no:cacheprovider \
+    2>&1 | tee "$OUT/paged_cuda.txt" | tail -5
 
 speed() {  # name, then trainer_speed.py arguments
     local name=$1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter, model_validator
+from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
 
 from asyncgrpo.base.config.base import Section
 from asyncgrpo.base.ports import is_loopback
@@ -148,6 +148,12 @@ class EmbeddedEngineConfig(ServedEngineSettings):
     on a laptop the trainer needs the other cores. With more, a request's last bits depend
     on its batch (PyTorch's CPU attention splits work by batch size), so a fixed-seed
     synchronous run no longer repeats bit for bit."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the embedded engine keeps its weights and KV cache and samples. `auto`: the
+    CPU today; it will take a CUDA device once the engine's CUDA path is wired. `cuda` is
+    refused for now: the paged KV cache, paged attention and CUDA-graph batch buckets it
+    needs exist (`inference/engine/paged/`, tested on the CPU) but the engine does not run
+    on them yet; to sample on GPUs use `engine.type: vllm`."""
     max_num_seqs: int = Field(64, ge=1)
     """Sequences the embedded engine decodes together (KV-cache slots)."""
     prefix_cache_tokens: int = Field(4096, ge=0)
@@ -165,6 +171,20 @@ class EmbeddedEngineConfig(ServedEngineSettings):
     out) instead of loading the weights; the OpenAI routes and the agent episode gateway
     then front that server. The vLLM backend starts one such gateway per replica."""
 
+    @field_validator("device")
+    @classmethod
+    def _refuse_cuda_for_now(cls, device: str) -> str:
+        if device == "cuda":
+            raise ValueError(
+                "cuda is not available in the embedded engine yet: its paged KV cache "
+                "with block tables, paged attention (FlexAttention), CUDA-graph batch "
+                "buckets and weight-handover message exist and are tested on the CPU "
+                "(asyncgrpo.inference.engine.paged), but the runner is not wired to them, "
+                "no CUDA graphs are captured and nothing was measured on a GPU. Use "
+                "device auto or cpu, or engine.type: vllm to sample on GPUs"
+            )
+        return device
+
     @model_validator(mode="after")
     def _check_transport(self) -> EmbeddedEngineConfig:
         self._refuse_transport("nccl", "only with type vllm (on GPUs)")
@@ -172,6 +192,10 @@ class EmbeddedEngineConfig(ServedEngineSettings):
 
     def transport_across_nodes(self) -> str | None:
         return "http"
+
+    def resolved_device(self) -> str:
+        """`device` resolved: `cpu` (`auto` takes no GPU until the CUDA path is wired)."""
+        return "cpu"
 
     def resolved_compute_dtype(self) -> str:
         """`compute_dtype` resolved for this machine."""
