@@ -2,9 +2,11 @@
 # The GPU checks in one short call, in the order that matters if time runs out: the GPU
 # tests (the trainer's, then the paged KV cache's), then the trainer against the padded
 # step on Qwen2.5-0.5B's shape, then attention alone. Run from the repository root on a
-# machine with one CUDA GPU and torch, transformers and pytest installed; writes every table and JSON under $OUT (default
-# ./gpu_out), the benchmarks' result files under $OUT/results/<benchmark>/ (copy them into
-# benchmarks/results/ to keep them). About 4 minutes on an H100, start-up not counted.
+# machine with one CUDA GPU and torch, transformers and pytest installed; writes every
+# table and JSON under $OUT (default ./gpu_out), the benchmarks' result files under
+# $OUT/results/<benchmark>/ (copy them into benchmarks/results/ to keep them). The checks
+# without the paged tests took about 4 minutes on an H100, start-up not counted; the paged
+# tests compile FlexAttention for 8 variants and have not yet run on a GPU.
 #
 #     OUT=/tmp/gpu bash benchmarks/gpu_check.sh
 #
