@@ -96,6 +96,16 @@ test-cookbook: $(STAMP) $(COOKBOOK_VENV)/.installed
 	ASYNCGRPO_COOKBOOK_PYTHON=$(CURDIR)/$(COOKBOOK_VENV)/bin/python \
 		timeout 900 $(BIN)/python -m pytest -q -m slow tests/integration/test_tinker_cookbook.py
 
+# tinker-serve's database on a real PostgreSQL: installs Debian's postgresql package where
+# it is missing (apt, as root), starts a throwaway server on loopback for the run
+# (tests/postgres_server.py) and runs the tests marked `postgres` against it (about 2 min).
+.PHONY: test-postgres
+test-postgres: $(STAMP)
+	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql)
+	timeout 900 $(BIN)/python tests/postgres_server.py -- \
+		$(BIN)/python -m pytest -q -m postgres tests/database
+
 # The trainer on a CUDA GPU (trainer.device, FSDP2 over NCCL, a CLI run) and the paged KV
 # cache, paged attention and weight handover the CUDA engine is built from: tests marked `gpu`,
 # skipped where torch sees no GPU. Needs a CUDA build of torch in .venv (not the CPU pin).

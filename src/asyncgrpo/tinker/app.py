@@ -8,6 +8,10 @@ model's `seq_id` order and fails as a user error through its future, so the requ
 queued behind it run. The routes and their bodies are the ones the SDK's resources call
 and its types validate (`tinker.resources`, `tinker.types`); `wire.py` tabulates them.
 
+The listings of saved runs and checkpoints (`training_runs`, `weights_info`, ...) are
+answered from the database, so they hold what earlier server processes saved
+(`listings.py`).
+
 Every request is logged in one line (route, session, model, status, latency, and the reason
 of a refusal) and counted for `GET /metrics` (Prometheus; open like the health check, see
 `asyncgrpo.inference.server.metrics` for why; `tinker/metrics.py` for what it says).
@@ -25,7 +29,15 @@ from fastapi.responses import JSONResponse, Response
 from asyncgrpo.inference.server import metrics
 from asyncgrpo.inference.server.limits import BodyLimitMiddleware
 from asyncgrpo.inference.server.request_log import RequestObserver
-from asyncgrpo.tinker import json_wire, sample_wire, sampling_ops, state_ops, wire
+from asyncgrpo.tinker import (
+    json_wire,
+    listings,
+    sample_wire,
+    sampling_ops,
+    session_ops,
+    state_ops,
+    wire,
+)
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.futures import LONG_POLL_S
 from asyncgrpo.tinker.service import TinkerService
@@ -78,6 +90,10 @@ def create_app(service: TinkerService, api_key: str, long_poll_s: float = LONG_P
     async def user_error(request: Request, exc: TinkerUserError):
         return JSONResponse({"error": str(exc), "category": "user"}, status_code=400)
 
+    @app.exception_handler(listings.NotFound)
+    async def not_found(request: Request, exc: listings.NotFound):
+        return listings.not_found_response(exc)
+
     @app.get("/api/v1/healthz")
     async def healthz():
         return {"status": "ok"}
@@ -86,7 +102,7 @@ def create_app(service: TinkerService, api_key: str, long_poll_s: float = LONG_P
     async def prometheus_metrics():
         return metrics.metrics_response(registry)
 
-    for routes in (_session_routes, _training_routes, _sampling_routes):
+    for routes in (_session_routes, _training_routes, _sampling_routes, listings.routes):
         app.include_router(routes(), prefix="/api/v1", dependencies=[Depends(require_key)])
     return app
 
@@ -133,7 +149,8 @@ def _session_routes() -> APIRouter:
 
     @router.post("/create_session")
     async def create_session(request: Request):
-        return service(request).create_session()
+        metadata = json_wire.read_field(await _json(request), "user_metadata", dict, default=None)
+        return await session_ops.create_session(service(request), metadata)
 
     @router.post("/session_heartbeat")
     async def heartbeat(request: Request):
@@ -145,7 +162,7 @@ def _session_routes() -> APIRouter:
 
     @router.post("/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request):
-        service(request).finish_session(session_id)
+        session_ops.finish_session(service(request), session_id)
         return {}
 
     @router.get("/get_server_capabilities")

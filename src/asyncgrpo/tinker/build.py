@@ -1,4 +1,5 @@
-"""Assemble a `TinkerService`: the base model for training, the engine for sampling."""
+"""Assemble a `TinkerService`: its database, the base model for training, the engine for
+sampling."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from asyncgrpo.inference.adapters import ADAPTER_PREFIX, LORA_A_SUFFIX, LORA_B_S
 from asyncgrpo.tinker.limits import TinkerLimits
 from asyncgrpo.tinker.service import ServedModel, TinkerService
 from asyncgrpo.tinker.sessions import DEFAULT_TTL_S
+from asyncgrpo.tinker.store import TinkerStore
 
 
 def build_service(
@@ -21,10 +23,23 @@ def build_service(
     state_dir: Path,
     limits: TinkerLimits | None = None,
     session_ttl_s: float = DEFAULT_TTL_S,
+    database: str | None = None,
 ) -> TinkerService:
     """The service over `model_dir`; its engine process starts loading at once. It trains
     on this process's CPU, which keeps freed memory for reuse (`keep_freed_memory`).
-    `session_ttl_s`: how long a session lives without a word from its client."""
+    `session_ttl_s`: how long a session lives without a word from its client; `database`:
+    a SQLAlchemy URL (default: SQLite under `state_dir`), opened first, so that one it
+    cannot use (`database.DatabaseError`) stops the start before any model loads."""
+    store = TinkerStore.open(database, Path(state_dir))
+    try:
+        return _assemble(name, model_dir, engine_cfg, state_dir, limits, session_ttl_s, store)
+    except BaseException:
+        store.close()
+        raise
+
+
+def _assemble(name, model_dir, engine_cfg, state_dir, limits, session_ttl_s, store):
+    """The base model, the engine (launched) and the service over them."""
     from transformers import AutoModelForCausalLM
 
     from asyncgrpo.inference.backend.embedded import EmbeddedBackend
@@ -50,6 +65,7 @@ def build_service(
         limits or TinkerLimits(),
         zero_adapter(base),
         state_dir,
+        store,
         session_ttl_s,
     )
 

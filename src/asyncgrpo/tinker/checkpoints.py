@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -82,6 +83,26 @@ class CheckpointStore:
 
     def load_sampler(self, path: str) -> list[tuple[str, torch.Tensor]]:
         return list(load_file(self._existing(path, "sampler_weights") / TENSORS).items())
+
+    def exists(self, path: str) -> bool:
+        return (self.directory(path) / TENSORS).is_file()
+
+    def size_bytes(self, path: str) -> int:
+        """What the files of a saved path take on disk."""
+        return sum(f.stat().st_size for f in self.directory(path).iterdir() if f.is_file())
+
+    def saved_spec(self, path: str) -> tuple[dict, str]:
+        """A saved state's `lora_config` and base model, without reading its tensors."""
+        meta = json.loads((self._existing(path, "weights") / META).read_text())
+        return meta["spec"], meta["base_model"]
+
+    def delete(self, path: str) -> bool:
+        """Remove a saved path's files; whether there were any."""
+        target = self.directory(path)
+        if not target.is_dir():
+            return False
+        shutil.rmtree(target)
+        return True
 
     def _fresh(self, path: str) -> Path:
         target = self.directory(path)

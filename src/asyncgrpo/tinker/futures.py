@@ -8,6 +8,11 @@ passed, then answers "try again". Why ordering on the server: the SDK submits a 
 queue `optim_step` behind it without waiting, so arrival order says nothing; `seq_id` does.
 Why deduplication: the SDK resubmits on 5xx, 408, 409 and 429, so the same
 `(model_id, seq_id)` may arrive twice and must map to the one operation already queued.
+
+Request ids name the server process that issued them (`req-<boot>-<n>`), so that after a
+restart an id of the process before is known for what it is, never taken for a new
+operation's. A journal (`store.TinkerStore`), when given, records each operation as it is
+submitted and as it ends, so a restarted server can still answer a poll for it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
+import secrets
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,6 +35,13 @@ LONG_POLL_S = (
     40.0  # under the SDK's 45 s timeout on retrieve_future (each "pending" logs a warning there)
 )
 KEEP_FINISHED = 4096  # finished results kept for late or repeated polls
+_REQUEST_ID = re.compile(r"^req-([0-9a-f]+)-\d+$")
+
+
+def boot_of(request_id: str) -> str | None:
+    """The boot token of the process that issued `request_id`, None if it is not one."""
+    match = _REQUEST_ID.match(request_id)
+    return match.group(1) if match else None
 
 
 @dataclass
@@ -51,7 +65,11 @@ class _Entry:
 class FutureTable:
     """Request ids → outcomes; submissions with a key seen before get the same request id."""
 
-    def __init__(self, keep_finished: int = KEEP_FINISHED):
+    def __init__(self, keep_finished: int = KEEP_FINISHED, journal=None, boot: str | None = None):
+        """`journal`: told `submitted(request_id, owner, subject, kind, seq_id)` and
+        `finished(request_id, outcome)`; `boot`: this process's token in request ids."""
+        self.journal = journal
+        self.boot = boot or secrets.token_hex(4)
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._by_key: dict[tuple, str] = {}
         self._ids = itertools.count(1)
@@ -65,25 +83,33 @@ class FutureTable:
         work: Callable[[], Awaitable[Outcome]],
         owner: str | None = None,
         interruptible: bool = True,
+        kind: str = "operation",
+        subject: str | None = None,
+        seq_id: int | None = None,
     ) -> str:
         """Start `work` (unless `key` was submitted before) and return its request id.
 
         `owner`: the session whose end fails it (`fail_owned`); `interruptible`: whether
         that end may also cancel the work (False for work that must not stop halfway, such
-        as a weight sync on the engine: it runs on and its result is dropped)."""
+        as a weight sync on the engine: it runs on and its result is dropped); `kind`,
+        `subject` (the model or sampler) and `seq_id` go to the journal."""
         if key is not None and key in self._by_key:
             return self._by_key[key]
-        request_id = f"req-{next(self._ids)}"
+        request_id = f"req-{self.boot}-{next(self._ids)}"
         entry = self._entries[request_id] = _Entry(owner, interruptible)
+        if self.journal is not None:
+            self.journal.submitted(request_id, owner, subject, kind, seq_id)
         if key is not None:
             self._by_key[key] = request_id
         self.pending += 1
-        entry.task = asyncio.get_running_loop().create_task(self._run(entry, work))
+        entry.task = asyncio.get_running_loop().create_task(self._run(request_id, entry, work))
         self._tasks.add(entry.task)
         entry.task.add_done_callback(self._tasks.discard)
         return request_id
 
-    async def _run(self, entry: _Entry, work: Callable[[], Awaitable[Outcome]]) -> None:
+    async def _run(
+        self, request_id: str, entry: _Entry, work: Callable[[], Awaitable[Outcome]]
+    ) -> None:
         try:
             outcome = await work()
         except Exception as exc:  # a user error, a bug or an engine failure: serve on
@@ -92,11 +118,13 @@ class FutureTable:
             if not isinstance(exc, TinkerUserError):
                 logger.exception("tinker operation failed")
             outcome = Outcome(error=as_error_body(exc))
-        self._finish(entry, outcome)
+        self._finish(request_id, entry, outcome)
 
-    def _finish(self, entry: _Entry, outcome: Outcome) -> None:
+    def _finish(self, request_id: str, entry: _Entry, outcome: Outcome) -> None:
         if entry.done.is_set():
             return
+        if self.journal is not None:
+            self.journal.finished(request_id, outcome)
         entry.outcome = outcome
         entry.done.set()
         self.pending -= 1
@@ -105,15 +133,21 @@ class FutureTable:
     def fail_owned(self, owner: str, error: dict[str, str]) -> int:
         """Fail every pending operation of `owner` with the body `error`, cancelling the
         interruptible ones (an operation queued behind others then never runs); how many."""
-        failed = [e for e in self._entries.values() if e.owner == owner and not e.done.is_set()]
-        for entry in failed:
-            self._finish(entry, Outcome(error=error))
+        failed = [
+            (rid, e) for rid, e in self._entries.items() if e.owner == owner and not e.done.is_set()
+        ]
+        for request_id, entry in failed:
+            self._finish(request_id, entry, Outcome(error=error))
             if entry.interruptible and entry.task is not None:
                 entry.task.cancel()
         return len(failed)
 
     def pending_owned(self, owner: str) -> int:
         return sum(e.owner == owner and not e.done.is_set() for e in self._entries.values())
+
+    def knows(self, request_id: str) -> bool:
+        """Whether `request_id` is held in memory (issued here, not yet forgotten)."""
+        return request_id in self._entries
 
     def owner(self, request_id: str) -> str | None:
         """The session `request_id` belongs to; an unknown id raises `KeyError`."""

@@ -22,7 +22,13 @@ from asyncgrpo.tinker.limits import TinkerLimits
 REQUIRED: Any = object()
 """`read_field`'s default: the key must be present (and not null)."""
 
-_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_KIND_NAMES = {
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    str: "a string",
+    dict: "a JSON object",
+}
 
 
 def read_field(body: Any, key: str, kind: type, *, prefix: str = "", default: Any = REQUIRED):
@@ -126,6 +132,7 @@ class CreateModelCall:
     train_mlp: bool
     train_attn: bool
     train_unembed: bool
+    user_metadata: dict | None = None
 
     @property
     def model_id(self) -> str:
@@ -161,5 +168,6 @@ def decode_create_model(body: Any, limits: TinkerLimits) -> CreateModelCall:
         base_model=read_field(body, "base_model", str),
         rank=rank,
         seed=read_field(lora, "seed", int, prefix="lora_config", default=None),
+        user_metadata=read_field(body, "user_metadata", dict, default=None),
         **flags,
     )

@@ -127,6 +127,14 @@ class SamplerRegistry:
         }
         self._saved = {k: v for k, v in self._saved.items() if owner_of(v.sampler_id) != session_id}
 
+    def owned(self, session_id: str) -> list[str]:
+        """The ids of a session's samplers."""
+        return [k for k in list(self._samplers) if owner_of(k) == session_id]
+
+    def forget_path(self, path: str) -> None:
+        """A saved path was deleted: later samplers cannot be created from it."""
+        self._saved.pop(path, None)
+
     def __len__(self) -> int:
         return len(self._samplers)
 

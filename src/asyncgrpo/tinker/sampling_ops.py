@@ -40,6 +40,9 @@ def save_weights_for_sampler(svc, body: dict) -> dict:
         snapshot = svc.latest[model_id][1] if kind == "snapshot" or path else None
         if path is not None:
             svc.checkpoints.save_sampler(path, snapshot)
+            steps, size = svc.models.steps(model_id), svc.checkpoints.size_bytes(path)
+            record = svc.store.checkpoint_saved(path, model_id, "sampler", str(name), steps, size)
+            record.result()  # listed before the client hears of it
         svc.samplers.add(
             Sampler(
                 sampler_id,
@@ -52,7 +55,7 @@ def save_weights_for_sampler(svc, body: dict) -> dict:
         result = {"path": path} if path else {"sampling_session_id": sampler_id}
         return Outcome(json={"type": "save_weights_for_sampler", **result})
 
-    return svc.ordered(model_id, seq_id, run)
+    return svc.ordered(model_id, seq_id, run, "save_weights_for_sampler")
 
 
 def create_sampling_session(svc, body: dict) -> dict:
@@ -101,7 +104,15 @@ def sample(svc, call: SampleCall) -> dict:
     key = ("sample", call.sampling_session_id, call.seq_id) if call.seq_id else None
     # a sample may be syncing weights into the engine: its session's end does not cut it
     owner = owner_of(call.sampling_session_id)
-    request_id = svc.futures.submit(key, run, owner=owner, interruptible=False)
+    request_id = svc.futures.submit(
+        key,
+        run,
+        owner=owner,
+        interruptible=False,
+        kind="sample",
+        subject=call.sampling_session_id,
+        seq_id=call.seq_id,
+    )
     note(request_id=request_id)
     ids = [f"{request_id}:{i}" for i in range(call.num_samples)]
     return {"request_id": request_id, "sample_sequence_ids": ids}

@@ -33,7 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--state-dir",
         default="tinker-state",
-        help="where tinker:// checkpoints are written (default: ./tinker-state)",
+        help="where tinker:// checkpoints are written, and the database by default "
+        "(default: ./tinker-state)",
+    )
+    parser.add_argument(
+        "--database",
+        default=None,
+        help="where sessions, models, checkpoints and operations' outcomes are recorded: a "
+        "SQLAlchemy URL such as postgresql://USER:PASSWORD@HOST/DB for a team's shared "
+        "server (needs `pip install 'asyncgrpo[postgres]'`); the schema is created or "
+        "upgraded at start (default: SQLite at STATE_DIR/tinker.sqlite3)",
     )
     parser.add_argument(
         "--dtype",
@@ -93,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     from asyncgrpo.base.models import ModelNotFoundError, resolve_model
     from asyncgrpo.inference.server.connections import run_server
     from asyncgrpo.tinker.app import KEY_PREFIX, create_app
-    from asyncgrpo.tinker.build import build_service
 
     key, generated = api_key()
     if not key.startswith(KEY_PREFIX):
@@ -114,13 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     engine_cfg = EmbeddedEngineConfig(
         model=str(model_dir), dtype=args.dtype, num_threads=args.engine_threads
     )
-    service = build_service(
-        args.model,
-        Path(model_dir),
-        engine_cfg,
-        Path(args.state_dir),
-        session_ttl_s=args.session_ttl,
-    )
+    service = _build(args, Path(model_dir), engine_cfg)
+    if service is None:
+        return 2
     if args.session_ttl < 2 * SDK_HEARTBEAT_S:
         print(
             f"warning: --session-ttl {args.session_ttl:g} is under two of the SDK's "
@@ -146,3 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         log_also=("asyncgrpo.tinker",),
     )
     return 0
+
+
+def _build(args, model_dir: Path, engine_cfg):
+    """The service, or None after saying why its database or state directory is unusable."""
+    from asyncgrpo.tinker.build import build_service
+    from asyncgrpo.tinker.database import DatabaseError
+
+    try:
+        return build_service(
+            args.model,
+            model_dir,
+            engine_cfg,
+            Path(args.state_dir),
+            session_ttl_s=args.session_ttl,
+            database=args.database,
+        )
+    except DatabaseError as exc:
+        print(f"error: --database / --state-dir: {exc}", file=sys.stderr)
+        return None

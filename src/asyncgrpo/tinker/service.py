@@ -1,33 +1,37 @@
 """What `asyncgrpo tinker-serve` does behind its routes: sessions, training models, samplers.
 
 The HTTP layer (`app.py`) decodes a request and calls one method here (or a function of
-`state_ops.py` for saved states, of `sampling_ops.py` for samplers and samples). Training
-work runs on one worker thread (the models share one base, so one operation at a time), in
-each model's `seq_id` order (`futures.SeqOrder`); sampling runs on the engine, its own
-process, so a client samples batch n+1 while batch n trains. Every submitted operation answers a
-request id at once and its outcome is fetched with `futures.FutureTable.retrieve`.
+`session_ops.py` for sessions' starts and ends, of `state_ops.py` for saved states, of
+`sampling_ops.py` for samplers and samples). Training work runs on one worker thread (the
+models share one base, so one operation at a time), in each model's `seq_id` order
+(`futures.SeqOrder`); sampling runs on the engine, its own process, so a client samples
+batch n+1 while batch n trains. Every submitted operation answers a request id at once and
+its outcome is fetched with `futures.FutureTable.retrieve`.
 
 Ids follow what the SDK assumes: a model created as `model_seq_id` k of session s is
 `s:train:k`; a sampler is `s:sample:k`; saved sampler weights live at
 `tinker://<model_id>/sampler_weights/<name>`. Everything a session created is released when
 it ends (`sessions.py`): its pending futures fail, its models and samplers leave memory.
+
+What must outlive the process goes to the database (`store.py`) as it happens: sessions,
+models, checkpoints, and every operation's outcome, so that a restarted server lists what
+was saved, tells the clients of sessions that died with the process that they did, and
+answers a poll for an operation of the process before (`recovery.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncgrpo.base.hardware import threads_here, use_threads_here
 from asyncgrpo.inference.server.request_log import note
-from asyncgrpo.tinker import wire
+from asyncgrpo.tinker import recovery, session_ops, wire
 from asyncgrpo.tinker.checkpoints import CheckpointStore
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.futures import FutureTable, Outcome, SeqOrder
@@ -39,9 +43,8 @@ from asyncgrpo.tinker.sampling import (
     NamedTensors,
     SamplerRegistry,
 )
-from asyncgrpo.tinker.sessions import CLOSED, DEFAULT_TTL_S, EXPIRED, SessionTable, owner_of
-
-logger = logging.getLogger(__name__)
+from asyncgrpo.tinker.sessions import DEFAULT_TTL_S, SessionTable, owner_of
+from asyncgrpo.tinker.store import TinkerStore
 
 
 @dataclass(frozen=True)
@@ -65,23 +68,27 @@ class TinkerService:
         limits: TinkerLimits,
         base_adapter: NamedTensors,
         state_dir: Path,
+        store: TinkerStore,
         session_ttl_s: float = DEFAULT_TTL_S,
     ):
         """`models`: the training models (`training.LoraModels`); `backend`: the engine
         that samples (`asyncgrpo.inference.backend`); `base_adapter`: an adapter that leaves the
         engine at the base weights; `state_dir`: where `tinker://` paths are stored;
-        `session_ttl_s`: how long a session lives without a word from its client."""
+        `store`: the database (closed with the service); `session_ttl_s`: how long a
+        session lives without a word from its client."""
         self.served = served
         self.models = models
         self.backend = backend
         self.limits = limits
-        self.futures = FutureTable()
+        self.store = store
+        self.futures = FutureTable(journal=store, boot=store.boot)
         self.samplers = SamplerRegistry()
         self.checkpoints = CheckpointStore(state_dir)
         self.engine = EngineWeights(backend, lambda: base_adapter)
         self.sessions = SessionTable(session_ttl_s)
         self.metrics = TinkerMetrics(self)
         self._reaper: asyncio.Task | None = None
+        self._pruner: asyncio.Task | None = None
         self._order: dict[str, SeqOrder] = {}
         # model id → (version, its newest weights), which `inflight` samplers follow
         self.latest: dict[str, tuple[int, Any]] = {}
@@ -93,12 +100,6 @@ class TinkerService:
 
     # ---- sessions ----------------------------------------------------------------
 
-    def create_session(self) -> dict:
-        session_id = f"session-{secrets.token_hex(6)}"
-        self.sessions.add(session_id)
-        note(session=session_id)
-        return {"type": "create_session", "session_id": session_id}
-
     def session(self, session_id: str):
         """The live session (`sessions.Session`), refused if ended or unknown."""
         note(session=session_id)
@@ -109,48 +110,6 @@ class TinkerService:
         that session ended); both go on the request's log line."""
         note(session=owner_of(some_id), model=some_id)
         self.sessions.touch(some_id, field_name)
-
-    def finish_session(self, session_id: str) -> None:
-        """The client closed the session: it ends now (closing an ended one again is a
-        no-op, as the SDK's first-wins finish reason has it)."""
-        if not self.sessions.is_ended(session_id):
-            self.session(session_id)
-            self.end_session(session_id, CLOSED)
-
-    def end_session(self, session_id: str, how: str) -> None:
-        """End a live session (`how`: sessions.EXPIRED or CLOSED): its pending futures fail
-        with why, its samplers go now, its models after the operation the trainer is
-        running (on the trainer's thread, in turn). Its saved paths stay on disk."""
-        if not self.sessions.end(session_id, how):
-            return
-        error = {"error": self.sessions.ended_message(session_id, how), "category": "user"}
-        failed = self.futures.fail_owned(session_id, error)
-        self.samplers.remove_owned(session_id)
-        release = self._trainer.submit(self._release_models, session_id)
-        release.add_done_callback(_log_failure)
-        logger.info("session %s %s; %d pending operations failed", session_id, how, failed)
-
-    def _release_models(self, session_id: str) -> None:
-        """Trainer thread: the session's models leave memory (adapter, Adam state, the
-        snapshot its samplers follow)."""
-        owned = {*self._order, *self.latest, *self.models.models}
-        for model_id in [m for m in owned if owner_of(m) == session_id]:
-            self._order.pop(model_id, None)
-            self.latest.pop(model_id, None)
-            if model_id in self.models.models:
-                self.models.remove(model_id)
-
-    async def _expire_sessions(self) -> None:
-        """End the sessions whose clients have been silent for the TTL, checked a few
-        times per TTL (at most every 10 s)."""
-        period = min(self.sessions.ttl_s / 4, 10.0)
-        while True:
-            await asyncio.sleep(period)
-            for session_id in self.sessions.expired():
-                try:
-                    self.end_session(session_id, EXPIRED)
-                except Exception:  # a bug here must not stop every later expiry
-                    logger.exception("ending session %s failed", session_id)
 
     def resident_models(self) -> int:
         return len(self.models.models)
@@ -179,11 +138,16 @@ class TinkerService:
                 train_attn=call.train_attn,
                 train_unembed=call.train_unembed,
             )
+            self.record_model(model_id, user_metadata=call.user_metadata)
             self.register_model(model_id)
             return Outcome(json={"type": "create_model", "model_id": model_id})
 
         request_id = self.futures.submit(
-            ("create", model_id), lambda: self.in_trainer(create), owner=call.session_id
+            ("create", model_id),
+            lambda: self.in_trainer(create),
+            owner=call.session_id,
+            kind="create_model",
+            subject=model_id,
         )
         note(model=model_id, request_id=request_id)
         return {"request_id": request_id, "model_id": model_id}
@@ -214,7 +178,8 @@ class TinkerService:
                 out = run(call.model_id, call.datums, call.loss_fn, call.loss_fn_config)
             return Outcome(proto=wire.encode_forward_backward_output(out.logprobs, out.metrics))
 
-        return self.ordered(call.model_id, call.seq_id, run)
+        kind = "forward" if call.forward_only else "forward_backward"
+        return self.ordered(call.model_id, call.seq_id, run, kind)
 
     def optim_step(self, call: OptimStepCall) -> dict:
         model_id = call.model_id
@@ -223,9 +188,10 @@ class TinkerService:
             with self.metrics.timed("optim_step"):
                 metrics = self.models.optim_step(model_id, call.adam)
             self.publish(model_id)
+            self.store.model_changed(model_id, step=self.models.steps(model_id))
             return Outcome(json={"type": "optim_step", "metrics": metrics})
 
-        return self.ordered(model_id, call.seq_id, run)
+        return self.ordered(model_id, call.seq_id, run, "optim_step")
 
     def fail_in_turn(self, exc: TinkerUserError) -> dict:
         """A request refused while decoding, once its seq_id is known: it fails through
@@ -237,10 +203,23 @@ class TinkerService:
             raise exc
 
         if owner in self._order:
-            return self.ordered(owner, seq_id, refuse)
+            return self.ordered(owner, seq_id, refuse, "refused")
         raise exc
 
     # ---- plumbing ----------------------------------------------------------------
+
+    def record_model(self, model_id: str, state_path=None, user_metadata=None) -> None:
+        """Trainer thread: a model just created in `models` goes to the database, or, if
+        that fails, leaves memory again (the operation then fails)."""
+        spec = asdict(self.models.spec(model_id))
+        steps = self.models.steps(model_id)
+        try:
+            self.store.model_created(
+                model_id, self.served.name, spec, steps, state_path, user_metadata
+            ).result()
+        except Exception:
+            self.models.remove(model_id)
+            raise
 
     def register_model(self, model_id: str) -> None:
         """A model just created (or loaded) in `models` takes requests: trainer thread."""
@@ -257,8 +236,11 @@ class TinkerService:
         if model_id not in self._order:
             raise TinkerUserError("model_id", f"unknown model {model_id!r}")
 
-    def ordered(self, model_id: str, seq_id: int | None, work: Callable[[], Outcome]) -> dict:
-        """Queue `work` behind the model's lower seq_ids; a request id at once."""
+    def ordered(
+        self, model_id: str, seq_id: int | None, work: Callable[[], Outcome], kind: str
+    ) -> dict:
+        """Queue `work` (an operation of `kind`) behind the model's lower seq_ids; a
+        request id at once."""
         self._require_model(model_id)
         order = self._order[model_id]
 
@@ -266,15 +248,20 @@ class TinkerService:
             return await order.run(seq_id, lambda: self.in_trainer(work))
 
         key = (model_id, seq_id) if seq_id is not None else None
-        request_id = self.futures.submit(key, run, owner=owner_of(model_id))
+        request_id = self.futures.submit(
+            key, run, owner=owner_of(model_id), kind=kind, subject=model_id, seq_id=seq_id
+        )
         note(request_id=request_id)
         return {"request_id": request_id, "model_id": model_id}
 
     async def retrieve(self, request_id: str, long_poll_s: float):
         """A future's outcome, or None while pending (`FutureTable.retrieve`). A poll is
         word from its session's client, and is answered within half the TTL, so that a
-        client waiting on a long operation polls again before its session would expire."""
-        owner = self.futures.owner(request_id)  # KeyError: unknown
+        client waiting on a long operation polls again before its session would expire.
+        One that memory does not hold is answered from the database (`recovery.py`)."""
+        if not self.futures.knows(request_id):
+            return await recovery.answer_from_records(self, request_id)
+        owner = self.futures.owner(request_id)
         note(session=owner, request_id=request_id)
         if owner is not None:
             self.sessions.heard_from(owner)
@@ -289,20 +276,22 @@ class TinkerService:
         return await asyncio.get_running_loop().run_in_executor(self._trainer, work)
 
     async def start(self) -> None:
-        """Wait for the engine to answer; from then on, silent sessions expire."""
+        """Learn which sessions ended, those of this server's stopped process included;
+        wait for the engine to answer; from then on, silent sessions expire and old
+        outcomes are forgotten hourly."""
+        await session_ops.learn_ended_sessions(self)
         await self.backend.wait_ready()
-        self._reaper = asyncio.get_running_loop().create_task(self._expire_sessions())
+        loop = asyncio.get_running_loop()
+        self._reaper = loop.create_task(session_ops.expire_sessions(self))
+        self._pruner = loop.create_task(session_ops.forget_old_outcomes(self))
 
     async def close(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+        for task in (self._reaper, self._pruner):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.futures.close()
         self._trainer.shutdown(wait=True, cancel_futures=True)
         await self.backend.close()
-
-
-def _log_failure(future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        logger.error("releasing a session's models failed", exc_info=future.exception())
+        await asyncio.to_thread(self.store.close)

@@ -16,6 +16,11 @@ operation asks again in time). The default TTL, 300 s, is 30 heartbeat periods: 
 paused for a minute or two (a debugger, a slow network) is not taken for gone, and its user
 sees the SDK's own warning well before the end; an abandoned client's memory comes back
 within minutes.
+
+A server that stops (killed, or shut down) takes its sessions with it: their models' state
+since their last save lives in its memory only. The next server on the same database ends
+them as `restarted` at its start (`store.TinkerStore.end_live_sessions`) and remembers the
+sessions that ended last, so their clients learn why, as those of expired ones do.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from asyncgrpo.tinker.errors import TinkerUserError
 DEFAULT_TTL_S = 300.0
 SDK_HEARTBEAT_S = 10.0  # the SDK's period (`InternalClientHolder._session_heartbeat`)
 KEEP_ENDED = 16384  # ended sessions remembered, so that their clients learn why
-EXPIRED, CLOSED = "expired", "closed"
+EXPIRED, CLOSED, RESTARTED = "expired", "closed", "restarted"
 
 
 class SessionEnded(TinkerUserError):
@@ -57,7 +62,7 @@ class SessionTable:
         self.ttl_s = float(ttl_s)
         self.live: dict[str, Session] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()
-        self.ended_total = {EXPIRED: 0, CLOSED: 0}
+        self.ended_total = {EXPIRED: 0, CLOSED: 0}  # and RESTARTED, after a restart
 
     def add(self, session_id: str) -> Session:
         session = self.live[session_id] = Session(session_id)
@@ -107,11 +112,16 @@ class SessionTable:
         """End a live session (`how`: EXPIRED or CLOSED); False if it was not live."""
         if self.live.pop(session_id, None) is None:
             return False
-        self._ended[session_id] = how
+        self.remember_ended(session_id, how)
         self.ended_total[how] += 1
+        return True
+
+    def remember_ended(self, session_id: str, how: str) -> None:
+        """Know `session_id` as ended `how` (one that ended before this server started)."""
+        self._ended[session_id] = how
+        self._ended.move_to_end(session_id)
         while len(self._ended) > KEEP_ENDED:
             self._ended.popitem(last=False)
-        return True
 
     def ended_message(self, session_id: str, how: str) -> str:
         if how == EXPIRED:
@@ -119,10 +129,17 @@ class SessionTable:
                 f"expired: its client sent no heartbeat or request for {self.ttl_s:g} s "
                 "(tinker-serve --session-ttl)"
             )
+        elif how == RESTARTED:
+            why = (
+                "ended when tinker-serve stopped (it has restarted since): its models' "
+                "state since their last save_state, its samplers and its pending operations "
+                "died with that process"
+            )
         else:
             why = "was closed by its client (ServiceClient.close)"
         return (
             f"session {session_id} {why}; its models and samplers were released. What it "
             "saved (save_state, save_weights_for_sampler) loads in a new session, e.g. "
-            "ServiceClient().create_training_client_from_state(path)"
+            "ServiceClient().create_training_client_from_state_with_optimizer(path); "
+            "RestClient.list_checkpoints(model_id) lists a model's saved paths"
         )

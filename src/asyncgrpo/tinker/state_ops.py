@@ -5,7 +5,8 @@ exactly the weights and Adam moments the operations before it produced. `load_we
 has two forms: with a `model_id` it loads into that model in its order (the SDK's
 `load_state[_with_optimizer]`); with a `session_id` and `model_seq_id` it creates the model
 from the checkpoint's own `lora_config` (`create_training_client_from_state`), whose
-operations then start at seq_id 1.
+operations then start at seq_id 1. Every save is recorded in the database before the client
+hears of it (so a restart lists it), as is each model's step count and state path.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ def save_weights(svc, body: dict) -> dict:
     def run() -> Outcome:
         name = check_name(read_field(body, "path", str))
         path = tinker_path(model_id, "weights", name)
-        svc.checkpoints.save_state(path, svc.models.state(model_id), svc.served.name)
+        state = svc.models.state(model_id)
+        svc.checkpoints.save_state(path, state, svc.served.name)
+        steps, size = int(state.meta["steps"]), svc.checkpoints.size_bytes(path)
+        svc.store.checkpoint_saved(path, model_id, "training", name, steps, size).result()
         return Outcome(json={"type": "save_weights", "path": path})
 
-    return svc.ordered(model_id, seq_id, run)
+    return svc.ordered(model_id, seq_id, run, "save_weights")
 
 
 def load_weights(svc, body: dict) -> dict:
@@ -38,22 +42,34 @@ def load_weights(svc, body: dict) -> dict:
         def load_into() -> Outcome:
             svc.models.load_state(model_id, _read(svc, path), with_optimizer)
             svc.publish(model_id)
+            svc.store.model_changed(model_id, step=svc.models.steps(model_id), state_path=path)
             return _loaded(path, model_id)
 
-        return svc.ordered(model_id, read_field(body, "seq_id", int, default=None), load_into)
+        seq_id = read_field(body, "seq_id", int, default=None)
+        return svc.ordered(model_id, seq_id, load_into, "load_weights")
 
     session = svc.session(read_field(body, "session_id", str))
     model_id = f"{session.session_id}:train:{read_field(body, 'model_seq_id', int)}"
+    user_metadata = read_field(body, "user_metadata", dict, default=None)
 
     def create_from() -> Outcome:
         state = _read(svc, path)
         svc.models.create(model_id, **state.spec)
-        svc.models.load_state(model_id, state, with_optimizer)
+        try:
+            svc.models.load_state(model_id, state, with_optimizer)
+        except BaseException:
+            svc.models.remove(model_id)
+            raise
+        svc.record_model(model_id, state_path=path, user_metadata=user_metadata)
         svc.register_model(model_id)
         return _loaded(path, model_id)
 
     request_id = svc.futures.submit(
-        ("create", model_id), lambda: svc.in_trainer(create_from), owner=session.session_id
+        ("create", model_id),
+        lambda: svc.in_trainer(create_from),
+        owner=session.session_id,
+        kind="load_weights",
+        subject=model_id,
     )
     return {"request_id": request_id, "model_id": model_id}
 

@@ -166,6 +166,11 @@ class LoraModels:
         with self.lock:
             return self._model(model_id).spec
 
+    def steps(self, model_id: str) -> int:
+        """The optimizer steps this model has taken (restored ones included)."""
+        with self.lock:
+            return int(self._model(model_id).trainer.version)
+
     def forward(
         self, model_id: str, datums: Sequence[TinkerDatum], loss_fn: str, config=None
     ) -> TinkerOutput:

@@ -32,6 +32,9 @@ while pending, or `{"error", "category"}` when failed):
 | asample | JSON `SampleRequest` (`sample_wire.decode_sample_request`) | future with `sample_sequence_ids` → protobuf (`sample_wire.encode_sample_response`) |
 | healthz (GET) | — | `HealthResponse{status: "ok"}` |
 
+The listings of saved runs, checkpoints and sessions (`training_runs`, `weights_info`, ...)
+are tabulated in `listings.py`.
+
 Answers are validated leniently (extra keys ignored) but typed: a `type` key, where sent,
 must be the route's literal. A protobuf result goes out with `Content-Type:
 application/x-protobuf` (the SDK asks with `Accept`; a JSON answer to it is an error). A
