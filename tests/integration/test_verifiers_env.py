@@ -1,5 +1,6 @@
-"""verifiers environments through the real pipeline (tiny random model), and the adapter's
-decisions: the rubric's group call, the refusal of verifiers.v1.
+"""Classic-API verifiers environments (verifiers 0.3.x, `.venv`) through the real pipeline
+(tiny random model), and the adapter's decisions: the rubric's group call, the refusal of
+environments of the new API, which need verifiers 0.4.
 
 The pipeline run trains 2 steps on `verifiers_test_env` (two turns with an observation
 between them; its env_response raises on its first 2 calls). Checked against what the
@@ -12,8 +13,6 @@ saw the whole group, and the broken environment cost two infra_error retries, no
 from __future__ import annotations
 
 import asyncio
-import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +25,7 @@ from asyncgrpo.base.episode import StopReason
 from asyncgrpo.learning.rollout import episodes as episodes_mod
 from asyncgrpo.run.loop import train
 
-pytest.importorskip("verifiers")
+pytest.importorskip("verifiers.legacy")  # the classic API: verifiers 0.3.x, not 0.4
 REPO = Path(__file__).parents[2]
 
 
@@ -161,20 +160,32 @@ def test_the_rubric_group_call_scores_the_whole_group(monkeypatch):
     assert asyncio.run(RubricScorer(rubric_env()).score({}, alone)) == [[pytest.approx(1.5)]]
 
 
-def test_verifiers_v1_is_refused_with_what_it_lacks(monkeypatch):
-    from asyncgrpo.learning.environments.verifiers import classic_api
+def test_an_environment_of_the_new_api_is_refused_naming_the_version(tmp_path, monkeypatch):
+    # a package as verifiers 0.4's vf-init lays one out: its Taskset exported, no
+    # load_environment(); verifiers 0.3.1 (this environment) cannot run it
+    (tmp_path / "new_api_env.py").write_text(
+        "import verifiers.v1 as vf\n__all__ = ['MyTaskset']\n"
+        "class MyTaskset(vf.Taskset):\n    def load(self):\n        return []\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = RunConfig.model_validate({"agent": {"verifiers": {"id": "new-api-env"}}})
+    from asyncgrpo.learning.environments import episode_source
 
-    fake = types.ModuleType("verifiers")
-    fake.__version__ = "0.4.0"
-    fake.__path__ = []  # a package with no `legacy` inside, as 0.4 ships
-    monkeypatch.setitem(sys.modules, "verifiers", fake)
-    monkeypatch.delitem(sys.modules, "verifiers.legacy", raising=False)
     with pytest.raises(ConfigError) as err:
-        classic_api()
+        episode_source(cfg)
     message = str(err.value)
-    assert "verifiers 0.4.0 has no classic API" in message
-    for missing in ("subprocess", "uv sync --script", "mcp==2.0.0", "container runtime"):
-        assert missing in message
+    assert "has no load_environment()" in message and "verifiers 0.3.1" in message
+    assert "install verifiers 0.4" in message and "environment of its own" in message
+
+
+def test_settings_of_the_new_api_are_refused_under_the_classic_one(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    section = {"id": "examples.verifiers_word_budget", "eval_args": {"split": "test"}}
+    cfg = RunConfig.model_validate({"agent": {"verifiers": section}})
+    from asyncgrpo.learning.environments import episode_source
+
+    with pytest.raises(ConfigError, match=r"\['eval_args'\] are settings of verifiers 0.4"):
+        episode_source(cfg)
 
 
 def test_a_module_without_load_environment_is_refused(tmp_path, monkeypatch):
@@ -183,7 +194,7 @@ def test_a_module_without_load_environment_is_refused(tmp_path, monkeypatch):
     cfg = RunConfig.model_validate({"agent": {"verifiers": {"id": "v1-taskset-like"}}})
     from asyncgrpo.learning.environments import episode_source
 
-    with pytest.raises(ConfigError, match="has no load_environment.*verifiers.v1"):
+    with pytest.raises(ConfigError, match="has no load_environment.*runs only classic"):
         episode_source(cfg)
 
 

@@ -43,17 +43,35 @@ class OpenEnvConfig(Section):
 
 
 class VerifiersConfig(Section):
-    """A verifiers environment (the classic API: `load_environment(id, **args)`)."""
+    """A verifiers environment, read by whichever verifiers is installed: 0.4's environments
+    (a package exporting its `Taskset`, configured by its taskset's fields) or the classic
+    API of verifiers 0.3 (`load_environment(**args)`)."""
 
     id: str
     """The environment's id: the module named after it is imported (dashes read as
-    underscores), as `verifiers.load_environment` does."""
+    underscores, a Hub id's `owner/` dropped, and with verifiers 0.4 its `@version`), as
+    verifiers does."""
     args: dict[str, Any] = {}
-    """Keyword arguments of its `load_environment`."""
+    """verifiers 0.4: the taskset's config fields (`--env.taskset.*` of `vf-eval`, `task`
+    included). Classic API: keyword arguments of its `load_environment`."""
     sampling_args: dict[str, Any] = {}
-    """Chat-call arguments merged over the environment's own `sampling_args` (e.g. `stop`,
-    `extra_body`). Temperature, top_p and max_tokens come from the `rollout` section (the
-    trainer must use the same temperature and top_p)."""
+    """Chat-call arguments merged over the environment's own (e.g. `stop`, `extra_body`).
+    Temperature, top_p and max_tokens come from the `rollout` section (the trainer must
+    use the same temperature and top_p)."""
+    eval_args: dict[str, Any] | None = None
+    """verifiers 0.4: the held-out tasks are a second taskset, configured by `args` with
+    these fields over them (e.g. `{split: test}`); None: no held-out tasks from the
+    environment (a classic environment brings its own `eval_dataset`)."""
+    num_tasks: int | None = Field(None, ge=1)
+    """verifiers 0.4: the first `num_tasks` tasks of the taskset train (None: all of them;
+    an infinite taskset needs a number)."""
+    num_eval_tasks: int = Field(32, ge=1)
+    """verifiers 0.4: at most this many held-out tasks (the first of the `eval_args`
+    taskset)."""
+    harness: dict[str, Any] | None = None
+    """verifiers 0.4: the harness config of every seat that does not pin one (`id` and its
+    knobs). None: the taskset's own harness when its package exports one, else asyncgrpo's
+    in-process chat loop (`asyncgrpo-chat`)."""
 
     @field_validator("sampling_args")
     @classmethod

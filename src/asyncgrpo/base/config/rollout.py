@@ -114,8 +114,9 @@ class AgentConfig(Section):
     openenv: OpenEnvConfig | None = None
     """Episodes against an OpenEnv environment server (see its section)."""
     verifiers: VerifiersConfig | None = None
-    """Episodes of a verifiers environment, scored by its rubric; its dataset is the run's
-    unless the recipe has a `dataset:`."""
+    """Episodes of a verifiers environment (0.4 tasksets and environments, or a classic
+    0.3 environment where that release is installed), scored by its own reward functions;
+    its tasks are the run's unless the recipe has a `dataset:`."""
     max_turns: int = Field(8, ge=1)
     """Chat calls an episode may make; the gateway refuses the next (stop reason max_turns).
     TRL's `max_tool_calling_iterations` is this minus one (the first call is not a tool

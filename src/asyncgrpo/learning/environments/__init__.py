@@ -9,7 +9,8 @@ run (buffer, trainer, staleness) does not know where the episodes came from.
 
 - `trl`: `tools=[fn, ...]` and `environment_factory=Cls` with TRL 1.16's semantics.
 - `openenv`: an OpenEnv server by URL or by app, one WebSocket session per episode.
-- `verifiers`: a verifiers environment (classic API) and its rubric.
+- `verifiers`: a verifiers environment: a 0.4 package (its taskset, rewards and `Env`,
+  `verifiers_v1*`), or a classic-API one and its rubric where verifiers 0.3 is installed.
 """
 
 from __future__ import annotations

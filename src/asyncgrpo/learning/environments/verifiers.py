@@ -1,14 +1,23 @@
-"""verifiers environments (Prime Intellect's classic API) as episode sources.
+"""verifiers environments as episode sources: whichever verifiers is installed decides how.
 
-A recipe names an environment by `agent.verifiers.id` (+ `args`); it is loaded as
-`verifiers.load_environment` loads it (the module named after the id, from installed
-packages or the working directory, then its `load_environment(**args)`). Its
+verifiers 0.4 has only its new API (a package exporting a `Taskset`, run as a verifiers
+`Env`): `verifiers_v1` loads it, `verifiers_v1_episodes` and `verifiers_v1_host` run it.
+verifiers 0.3.x keeps the classic API in `verifiers.legacy`, and so does this module: the
+classic path below keeps training classic environments wherever 0.3.x is installed. The
+two cannot share a Python environment (0.4 pins mcp 2.0, 0.3.1 and openenv need mcp < 2),
+so the installed version is the switch, and an environment of the other API is refused
+with the version it needs. `asyncgrpo[verifiers]` installs 0.4.0; `asyncgrpo[dev]` keeps
+0.3.1 (beside openenv) for the classic tests.
+
+The classic path. A recipe names an environment by `agent.verifiers.id` (+ `args`); it is
+loaded as `verifiers.load_environment` loads it (the module named after the id, from
+installed packages or the working directory, then its `load_environment(**args)`). Its
 `dataset` / `eval_dataset` become the run's rows, each episode runs the environment's
 own turn loop (`env.rollout`) with an OpenAI client on the episode's gateway URL, and
 once a group has ended its rubric scores the group with its own group call
 (`rubric.score_group`), so group-level reward functions see every episode of it.
 
-Decisions, stated:
+Decisions, stated (classic path):
 
 - Rewards: one column, `rubric`, the rubric's own weighted total (`state["reward"]`,
   what verifiers and prime-rl train on), so custom rubrics and `RubricGroup`s count as
@@ -34,7 +43,7 @@ Decisions, stated:
 Where it departs from prime-rl: prime-rl renders prompts itself and sends token ids to
 its inference server; here the environment talks plain chat completions and the gateway
 records the engine's own tokens of each call, branching when a re-rendered prompt does
-not extend the previous one. `verifiers.v1` (0.4) is refused (`refuse_v1`).
+not extend the previous one.
 """
 
 from __future__ import annotations
@@ -51,24 +60,11 @@ from asyncgrpo.learning.environments.source import EpisodeSource
 
 logger = logging.getLogger(__name__)
 
-V1_MISSING = (
-    "verifiers.v1 (verifiers >= 0.4) is not supported: it has no offline configuration. "
-    "A v1 environment runs its agent as a program that a harness launches in a runtime; "
-    "the only local runtime (`subprocess`) takes the `null` and `bash` harnesses, and both "
-    "prepare their chat program with `uv sync --script` (UV_OFFLINE forced off), which "
-    "installs openai, mcp==2.0.0, httpx, httpx2, tenacity and certifi from the package index "
-    "at first run; every other harness needs a container runtime (docker, podman, "
-    "apptainer) or Prime's remote sandboxes (the default runtime). Use the classic API: "
-    "verifiers < 0.4 (`verifiers.legacy` in 0.3.x, tested with 0.3.1)."
-)
+NEW_API_VERSION = (0, 4)  # verifiers from this release on: only the new API
 
 
-def refuse_v1(detail: str = "") -> ConfigError:
-    return ConfigError(f"agent.verifiers: {detail}{V1_MISSING}")
-
-
-def classic_api() -> Any:
-    """The classic verifiers package: `verifiers.legacy` (0.3.x) or `verifiers` (< 0.3)."""
+def installed_version() -> str:
+    """The installed verifiers' version, or a ConfigError saying how to install it."""
     try:
         root = importlib.import_module("verifiers")
     except ImportError as exc:
@@ -77,14 +73,27 @@ def classic_api() -> Any:
                 "agent.verifiers needs the verifiers package: pip install 'asyncgrpo[verifiers]'"
             ) from exc
         raise ConfigError(f"agent.verifiers: the verifiers package fails to import: {exc}") from exc
+    return str(getattr(root, "__version__", "0"))
+
+
+def new_api(version: str) -> bool:
+    """Whether verifiers `version` has the new API only (0.4 and later)."""
+    return not _older_than_0_4(version)
+
+
+def classic_api() -> Any:
+    """The classic verifiers package: `verifiers.legacy` (0.3.x) or `verifiers` (< 0.3)."""
+    version = installed_version()
     try:
         return importlib.import_module("verifiers.legacy")
     except ImportError:
         pass
-    version = getattr(root, "__version__", "?")
+    root = importlib.import_module("verifiers")
     if _older_than_0_4(version) and hasattr(root, "load_environment"):
         return root
-    raise refuse_v1(f"verifiers {version} has no classic API. ")
+    raise ConfigError(
+        f"agent.verifiers: verifiers {version} has no classic API (verifiers 0.3.x keeps it)"
+    )
 
 
 def _older_than_0_4(version: str) -> bool:
@@ -92,7 +101,7 @@ def _older_than_0_4(version: str) -> bool:
         major, minor = (int(p) for p in version.split(".")[:2])
     except ValueError:
         return False
-    return (major, minor) < (0, 4)
+    return (major, minor) < NEW_API_VERSION
 
 
 def load_environment(vf: Any, env_id: str, args: dict) -> Any:
@@ -107,9 +116,12 @@ def load_environment(vf: Any, env_id: str, args: dict) -> Any:
             f"package, or run from the directory that holds it): {exc}"
         ) from exc
     if not hasattr(module, "load_environment"):
-        raise refuse_v1(
-            f"{module_name!r} has no load_environment() (a classic environment's entry "
-            "point); if it is a v1 taskset or environment: "
+        raise ConfigError(
+            f"agent.verifiers.id: {module_name!r} has no load_environment() (a classic "
+            f"environment's entry point), and the installed verifiers {installed_version()} "
+            "runs only classic environments. If it is a verifiers 0.4 environment (a package "
+            "exporting its Taskset), install verifiers 0.4 ('asyncgrpo[verifiers]') in an "
+            "environment of its own: it cannot share one with verifiers 0.3."
         )
     saved = _signal_handlers()
     try:
@@ -119,9 +131,9 @@ def load_environment(vf: Any, env_id: str, args: dict) -> Any:
     finally:
         _restore_signal_handlers(saved)
     if not isinstance(env, vf.Environment):
-        raise refuse_v1(
-            f"{module_name}.load_environment() returned a {type(env).__name__}, not a "
-            "classic verifiers Environment. "
+        raise ConfigError(
+            f"agent.verifiers: {module_name}.load_environment() returned a "
+            f"{type(env).__name__}, not a classic verifiers Environment"
         )
     return env
 
@@ -156,6 +168,12 @@ def sampling_args(cfg: Any, env: Any) -> dict[str, Any]:
 def verifiers_source(cfg: Any) -> EpisodeSource:
     """The episode source of `cfg.agent.verifiers` (see the module docstring)."""
     section = cfg.agent.verifiers
+    version = installed_version()
+    if new_api(version):
+        from asyncgrpo.learning.environments.verifiers_v1 import v1_source
+
+        return v1_source(cfg)
+    _no_new_api_settings(section, version)
     vf = classic_api()
     env = load_environment(vf, section.id, dict(section.args))
     _warn_turn_limits(env, cfg.agent.max_turns)
@@ -165,6 +183,18 @@ def verifiers_source(cfg: Any) -> EpisodeSource:
     train = rows_of(env.get_dataset()) if _has(env, "dataset") else None
     held_out = rows_of(env.get_eval_dataset()) if _has(env, "eval_dataset") else None
     return EpisodeSource(rollout, RubricScorer(env), train_rows=train, eval_rows=held_out)
+
+
+def _no_new_api_settings(section: Any, version: str) -> None:
+    """Settings only verifiers 0.4 reads, refused under the classic API."""
+    fields = ("eval_args", "num_tasks", "harness")
+    given = [f for f in fields if getattr(section, f) is not None]
+    if given:
+        raise ConfigError(
+            f"agent.verifiers: {given} are settings of verifiers 0.4 environments; the "
+            f"installed verifiers {version} runs classic environments (held-out rows come "
+            "from the environment's eval_dataset)"
+        )
 
 
 def _has(env: Any, which: str) -> bool:

@@ -1,0 +1,3 @@
+from verifiers_warehouse.taskset import WarehouseTaskset
+
+__all__ = ["WarehouseTaskset"]
