@@ -1,6 +1,7 @@
 """Built-in tasks: deterministic generators, rewards checked by hand, recipes that load."""
 
 import asyncio
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,11 @@ RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
 def test_recipes_validate_and_their_data_and_rewards_resolve(recipe):
     cfg = load_config(recipe)
+    package = cfg.agent.verifiers.id.replace("-", "_") if cfg.agent.verifiers else None
+    if package is not None and importlib.util.find_spec(package) is None:
+        # a packaged environment is installed into its own environment first (the recipe
+        # says how; the verifiers 0.4 tests install and train it in .venv-verifiers)
+        pytest.skip(f"{recipe.name}: its environment package {package!r} is not installed here")
     source = None
     if not cfg.dataset:  # the environment brings its rows (a verifiers dataset)
         source = episode_source(cfg)
