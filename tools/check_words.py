@@ -22,7 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-# "issue 32", "Issue #17", "stops 56-58", "stop-52", "PR #4", "bug 11", "session 3".
+# A word of the work (issue, stop, session, task, ticket, PR, bug; plural too) with a
+# number right after it, a `#` or a dash allowed between, and optionally a range.
 # Not after a letter, digit, `_`, `-`, `.` or `/`, so that flags and names such as
 # `--tasks 16`, `--episodes-per-task 8`, `max_sessions=2` or a path do not count.
 NUMBERED_WORK = re.compile(

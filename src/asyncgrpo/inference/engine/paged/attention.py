@@ -205,8 +205,6 @@ def _decode_kernel(
     q, key_pool, value_pool, tables, lengths, block_positions, kv_num_blocks, kv_indices,
     block_size, scale, kernel_options,
 ):  # fmt: skip
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
     last_column = tables.shape[1] - 1
 
     def visible(b, h, q_idx, kv_idx):
@@ -215,25 +213,14 @@ def _decode_kernel(
         held = tables[b, logical.clamp(0, last_column)] == block
         return held & (logical * block_size + kv_idx % block_size < lengths[b])
 
-    mask = BlockMask.from_kv_blocks(
-        kv_num_blocks,
-        kv_indices,
-        BLOCK_SIZE=(DEFAULT_QUERY_TILE, block_size),
-        mask_mod=visible,
-        seq_lengths=(q.shape[2], key_pool.shape[2]),
-        compute_q_blocks=False,
-    )
-    return flex_attention(
-        q, key_pool, value_pool, block_mask=mask, scale=scale, kernel_options=kernel_options
-    )
+    blocks = (kv_num_blocks, kv_indices, DEFAULT_QUERY_TILE, block_size)
+    return _attend(q, key_pool, value_pool, blocks, visible, scale, kernel_options)
 
 
 def _prefill_kernel(
     q, key_pool, value_pool, tables, query_rows, query_positions, block_positions,
     kv_num_blocks, kv_indices, block_size, query_tile, scale, kernel_options,
 ):  # fmt: skip
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-
     last_column = tables.shape[1] - 1
 
     def visible(b, h, q_idx, kv_idx):
@@ -243,6 +230,16 @@ def _prefill_kernel(
         causal = logical * block_size + kv_idx % block_size <= query_positions[q_idx]
         return held & causal
 
+    blocks = (kv_num_blocks, kv_indices, query_tile, block_size)
+    return _attend(q, key_pool, value_pool, blocks, visible, scale, kernel_options, gqa=True)
+
+
+def _attend(q, key_pool, value_pool, blocks, visible, scale, kernel_options, gqa=False):
+    """FlexAttention of `q` over the pools, through the block mask of `blocks` ((counts,
+    indices, query tile, block size): the kernel's key blocks per query tile) and `visible`."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    kv_num_blocks, kv_indices, query_tile, block_size = blocks
     mask = BlockMask.from_kv_blocks(
         kv_num_blocks,
         kv_indices,
@@ -257,7 +254,7 @@ def _prefill_kernel(
         value_pool,
         block_mask=mask,
         scale=scale,
-        enable_gqa=True,
+        enable_gqa=gqa,
         kernel_options=kernel_options,
     )
 
