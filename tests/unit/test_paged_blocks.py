@@ -209,6 +209,10 @@ def test_a_block_holds_every_layer_s_keys_and_values():
 def test_a_write_lands_at_its_slots_and_the_scratch_block_starts_zeroed():
     cache = PagedKVCache(2, 2, 3, 6, BLOCK, torch.float64)
     assert not cache.keys[:, :, :BLOCK].any() and not cache.values[:, :, :BLOCK].any()
+    # the other blocks start as uninitialised memory, which may hold NaN (never equal to
+    # itself): give them known finite values, so that "untouched" can be compared
+    rest = cache.keys[:, :, BLOCK:]
+    rest.copy_(torch.randn(rest.shape, dtype=rest.dtype))
     before_keys = cache.keys.clone()
     slots = torch.tensor([5, 17, 4])
     k = torch.randn(3, 2, 3, dtype=torch.float64)
