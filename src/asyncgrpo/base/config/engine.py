@@ -154,6 +154,12 @@ class EmbeddedEngineConfig(ServedEngineSettings):
     refused for now: the paged KV cache, paged attention and CUDA-graph batch buckets it
     needs exist (`inference/engine/paged/`, tested on the CPU) but the engine does not run
     on them yet; to sample on GPUs use `engine.type: vllm`."""
+    kv_cache: Literal["slots", "paged"] = "slots"
+    """How the embedded engine lays out its KV cache. `slots`: one contiguous row per
+    sequence, the CPU's fastest. `paged`: blocks of 16 positions in block tables, a
+    prompt's cached prefix and a group's shared prompt held once, not copied (the layout
+    the CUDA engine uses); on a CPU it computes the same tokens and log-probs as `slots`,
+    bit for bit, at the cost of gathering each step's keys."""
     max_num_seqs: int = Field(64, ge=1)
     """Sequences the embedded engine decodes together (KV-cache slots)."""
     prefix_cache_tokens: int = Field(4096, ge=0)

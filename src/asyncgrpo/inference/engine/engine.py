@@ -42,6 +42,7 @@ from asyncgrpo.inference.adapters import (
     is_adapter_update,
 )
 from asyncgrpo.inference.core_share import BusyFlag
+from asyncgrpo.inference.engine.kv_layout import build_cache
 from asyncgrpo.inference.engine.loading import (
     check_update,
     context_limit,
@@ -49,8 +50,6 @@ from asyncgrpo.inference.engine.loading import (
     load_model,
     tied_names,
 )
-from asyncgrpo.inference.engine.prefill import STAGING_SLOTS
-from asyncgrpo.inference.engine.prefix_cache import PrefixCache
 from asyncgrpo.inference.engine.request import Request
 from asyncgrpo.inference.engine.runner import ModelRunner
 from asyncgrpo.inference.engine.scheduler import Scheduler
@@ -146,8 +145,7 @@ class Engine(_EngineThread):
         self.model_name = config.model
         self.vocab_size = int(model.config.vocab_size)
         self.eos_token_ids = eos_ids(model, self.tokenizer)
-        self.runner = ModelRunner(model, config.max_num_seqs + STAGING_SLOTS, self.max_model_len)
-        self.prefix_cache = PrefixCache(self.runner, config.prefix_cache_tokens)
+        self.runner, self.prefix_cache = build_cache(config, model, self.max_model_len)
         self.scheduler = Scheduler(
             config, self.runner, self.prefix_cache, self.tokenizer, self.eos_token_ids
         )

@@ -30,12 +30,15 @@ from __future__ import annotations
 import itertools
 import math
 import mmap
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from asyncgrpo.inference.engine.attention import (
+    DecodeSpan,
+    PrefillPiece,
     decode_attention,
     decode_spans,
     prefill_attention,
@@ -157,6 +160,26 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     pages = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]
     return torch.from_numpy(pages).view(dtype).view(shape)
+
+
+@dataclass
+class DecodeStep:
+    """A decode step's rows (B,), positions (B,), key lengths (B,) and key-length spans."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    spans: list[DecodeSpan]
+
+
+@dataclass
+class PrefillStep:
+    """A prefill's rows: their slots, chunk bounds and attention pieces."""
+
+    slots: list[int]
+    starts: list[int]
+    ends: list[int]
+    pieces: list[PrefillPiece]
 
 
 class ModelRunner:
@@ -313,22 +336,30 @@ class ModelRunner:
         """
         self._refresh()
         b = tokens.shape[0]
-        spans = decode_spans(positions, self.max_model_len)  # rows grouped by key length
-        self.ensure_capacity(max(s.key_len for s in spans))
+        step = self._decode_step(tokens, positions)
         h = F.embedding(tokens, self.embed).unsqueeze(1)  # (B, 1, hidden)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        rows = torch.arange(b)
-        lengths = positions + 1  # the keys each row attends over
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_input(layer, h, cos, sin)
-            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
-            k_cache[rows, :, positions] = k[:, :, 0]
-            v_cache[rows, :, positions] = v[:, :, 0]
             # Fold the query heads that share a kv head into the query length.
             q = q.reshape(b, self.num_kv_heads, self.group, self.head_dim)
-            attn = decode_attention(q, k_cache, v_cache, spans, lengths)
+            attn = self._decode_attend(i, q, k, v, step)  # (B, kv_heads, group, D)
             h = self._mlp_residual(layer, h, attn.reshape(b, 1, -1))
         return self.logits(h[:, 0])
+
+    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> DecodeStep:
+        """What every layer of a decode step reads: rows grouped by key length."""
+        spans = decode_spans(positions, self.max_model_len)  # rows grouped by key length
+        self.ensure_capacity(max(s.key_len for s in spans))
+        return DecodeStep(torch.arange(tokens.shape[0]), positions, positions + 1, spans)
+
+    def _decode_attend(self, i: int, q, k, v, step: DecodeStep) -> torch.Tensor:
+        """Write one layer's new keys and values (B, kv_heads, 1, D) into the slots, then
+        attend: q (B, kv_heads, group, D) -> (B, kv_heads, group, D)."""
+        k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+        k_cache[step.rows, :, step.positions] = k[:, :, 0]
+        v_cache[step.rows, :, step.positions] = v[:, :, 0]
+        return decode_attention(q, k_cache, v_cache, step.spans, step.lengths)
 
     def prefill(self, slots: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Run prompt chunks for several sequences at once, writing their keys and values.
@@ -355,26 +386,35 @@ class ModelRunner:
         lengths = [len(c) for c in chunks]
         t = max(lengths)
         ends = [s + m for s, m in zip(starts, lengths, strict=True)]
-        self.ensure_capacity(max(ends))
         tokens = torch.tensor([token for chunk in chunks for token in chunk], dtype=torch.long)
         rows = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths))  # (N,) packed
         cols = torch.cat([torch.arange(m) for m in lengths])  # (N,) index within the chunk
         positions = (torch.tensor(starts)[rows] + cols).unsqueeze(0)  # (1, N)
         offsets = [0, *itertools.accumulate(lengths)]
-        pieces = prefill_pieces(slots, starts, ends)
+        step = self._prefill_step(slots, chunks, starts, ends)
         h = F.embedding(tokens, self.embed).unsqueeze(0)  # (1, N, hidden)
         cos, sin = self.cos[positions], self.sin[positions]
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_input(layer, h, cos, sin)  # (1, heads, N, D)
-            k_cache, v_cache = self.k_cache[i], self.v_cache[i]
-            for r in range(n):
-                k_cache[slots[r], :, starts[r] : ends[r]] = k[0, :, offsets[r] : offsets[r + 1]]
-                v_cache[slots[r], :, starts[r] : ends[r]] = v[0, :, offsets[r] : offsets[r + 1]]
             by_row = q.new_zeros(n, self.num_heads, t, self.head_dim)
             by_row[rows, :, cols] = q[0].transpose(0, 1)
-            attn = prefill_attention(by_row, k_cache, v_cache, pieces)  # (R, H, T, D)
+            attn = self._prefill_attend(i, by_row, k, v, offsets, step)  # (R, H, T, D)
             h = self._mlp_residual(layer, h, attn[rows, :, cols].reshape(1, len(rows), -1))
         hidden = h.new_zeros(n, t, h.shape[-1])
         hidden[rows, cols] = h[0]
         last = torch.tensor(offsets[1:]) - 1
         return self.logits(h[0, last]), hidden
+
+    def _prefill_step(self, slots, chunks, starts, ends) -> PrefillStep:
+        """What every layer of a prefill reads: the rows' slots, spans and attention pieces."""
+        self.ensure_capacity(max(ends))
+        return PrefillStep(slots, starts, ends, prefill_pieces(slots, starts, ends))
+
+    def _prefill_attend(self, i: int, by_row, k, v, offsets, step: PrefillStep) -> torch.Tensor:
+        """Write one layer's packed new keys and values (1, kv_heads, N, D) into the rows'
+        slots, then attend: by_row (R, heads, T, D) -> (R, heads, T, D)."""
+        k_cache, v_cache = self.k_cache[i], self.v_cache[i]
+        for r, (slot, start, end) in enumerate(zip(step.slots, step.starts, step.ends)):
+            k_cache[slot, :, start:end] = k[0, :, offsets[r] : offsets[r + 1]]
+            v_cache[slot, :, start:end] = v[0, :, offsets[r] : offsets[r + 1]]
+        return prefill_attention(by_row, k_cache, v_cache, step.pieces)

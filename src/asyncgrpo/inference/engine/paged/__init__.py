@@ -23,8 +23,14 @@ The pieces:
 - `buckets.py`: CUDA-graph batch sizes, the bucket of a batch and its dummy rows.
 - `handover.py`: the JSON message of a CUDA IPC weight handover, its checks against
   the engine's parameters, and the acknowledgement the trainer waits for.
+- `runner.py`: `PagedModelRunner`, the engine's forward over the pools behind the slot
+  runner's interface (a slot is a block table; copying one shares its full blocks),
+  and `prefix.py`: `PagedPrefixCache`, prefix hits shared in place. The engine runs
+  on them with `engine.kv_cache: paged`; on a CPU they gather each step's keys into
+  the slot runner's attention and sample exactly what the slot engine samples.
 
-How the engine will use them on CUDA, per step: the scheduler admits or appends
+How the engine will use them on CUDA, per step (the CPU path of `runner.py` already
+does the bookkeeping; what changes is attention and the graphs): the scheduler admits or appends
 (preempting on `OutOfBlocks`), marks what the last step wrote, and builds the slot
 mapping, tables and lengths; each layer writes the new keys and values into the pools
 (`PagedKVCache.write`) and then attends: prefill with `prefill_attention` (compiled

@@ -138,6 +138,10 @@ class BlockAllocator:
             self._content[block] = BlockContent(key, parent_key, tuple(tokens))
         return key
 
+    def content(self, block: int) -> BlockContent:
+        """What a findable block holds (KeyError for one that is not findable)."""
+        return self._content[block]
+
     def forget_contents(self) -> None:
         """No block is findable any more (the weights changed, so did every key and
         value); blocks in use stay with their sequences."""

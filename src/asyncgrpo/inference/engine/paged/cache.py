@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from asyncgrpo.inference.engine.paged.blocks import SCRATCH_BLOCK
+from asyncgrpo.inference.engine.runner import lazy_zeros
 
 
 def bytes_per_block(
@@ -61,6 +62,7 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        zeroed: bool = False,
     ):
         self.layers = layers
         self.kv_heads = kv_heads
@@ -69,8 +71,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.slots = num_blocks * block_size
         shape = (layers, kv_heads, self.slots, head_dim)
-        self.keys = torch.empty(shape, dtype=dtype, device=device)  # (L, Hkv, slots, D)
-        self.values = torch.empty(shape, dtype=dtype, device=device)  # (L, Hkv, slots, D)
+        self.keys = _pool(shape, dtype, device, zeroed)  # (L, Hkv, slots, D)
+        self.values = _pool(shape, dtype, device, zeroed)  # (L, Hkv, slots, D)
         scratch = slice(SCRATCH_BLOCK * block_size, (SCRATCH_BLOCK + 1) * block_size)
         self.keys[:, :, scratch].zero_()
         self.values[:, :, scratch].zero_()
@@ -114,3 +116,15 @@ class PagedKVCache:
         target_slots = (targets.unsqueeze(1) * self.block_size + offsets).flatten()  # (M*bs,)
         for pool in (self.keys, self.values):
             pool.index_copy_(2, target_slots, pool.index_select(2, source_slots))
+
+
+def _pool(shape: tuple[int, ...], dtype: torch.dtype, device, zeroed: bool) -> torch.Tensor:
+    """A pool's storage. `zeroed`: every position reads as zero until written (an engine
+    that gathers whole blocks multiplies unwritten positions by a zero weight, which
+    uninitialised memory could turn into NaN); on a CPU as zero pages mapped on first
+    touch, so untouched blocks cost no memory."""
+    if not zeroed:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if torch.device(device).type == "cpu":
+        return lazy_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -1,0 +1,122 @@
+"""The engine on a paged KV cache (`engine.kv_cache: paged`): the same tokens and log-probs
+as the slot cache, bit for bit, and blocks shared instead of copied."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncgrpo.base.config import EmbeddedEngineConfig
+from asyncgrpo.inference.engine.engine import Engine
+from asyncgrpo.inference.engine.paged.prefix import PagedPrefixCache
+from asyncgrpo.inference.engine.paged.runner import PagedModelRunner
+from asyncgrpo.inference.engine.prefix_cache import BLOCK
+from asyncgrpo.inference.engine.runner import ModelRunner
+from asyncgrpo.inference.engine.types import SamplingParams
+
+
+async def _collect(engine, prompt, params):
+    by_index: dict[int, dict] = {}
+    async for d in engine.generate(prompt, params):
+        out = by_index.setdefault(d.index, {"ids": [], "lps": [], "finish": None})
+        out["ids"] += d.token_ids
+        out["lps"] += d.logprobs
+        out["finish"] = d.finish_reason or out["finish"]
+        if d.prompt_logprobs is not None:
+            out["prompt"] = list(d.prompt_logprobs.logprobs)
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def _workload(tokenizer):
+    """Prompts that take every path: a shared system prefix (prefix-cache hits), groups of
+    n (slot copies), samples finishing at different steps (compaction), a prompt longer
+    than the prefill chunk (staging), prompt log-probs, and a second turn that starts
+    with a finished first one."""
+    system = tokenizer.encode("You are a careful assistant. " * 5, add_special_tokens=False)
+    asks = [system + tokenizer.encode(f" Question {i}: add {i} and {i}.") for i in range(5)]
+    story = system + tokenizer.encode(" Tell a long story about a lighthouse. " * 6)
+    jobs = [(p, SamplingParams(max_tokens=6 + 3 * i, seed=i, n=3)) for i, p in enumerate(asks)]
+    jobs.append((story, SamplingParams(max_tokens=9, seed=7, temperature=0.7, top_p=0.9)))
+    jobs.append((asks[0], SamplingParams(max_tokens=4, seed=3, prompt_logprobs=1)))
+    return system, jobs
+
+
+def _run(model_dir, kv_cache: str):
+    config = EmbeddedEngineConfig(
+        model=str(model_dir), dtype="float32", max_num_seqs=8, prefill_chunk_size=32,
+        kv_cache=kv_cache,
+    )  # fmt: skip
+    engine = Engine(config)
+    assert isinstance(engine.runner, PagedModelRunner) == (kv_cache == "paged")
+    engine.start()
+    try:
+        system, jobs = _workload(engine.tokenizer)
+
+        async def scenario():
+            first = await _collect(engine, *jobs[0])  # its prompt is cached before the rest
+            rest = await asyncio.gather(*(_collect(engine, *job) for job in jobs[1:]))
+            turn = jobs[-2][0] + rest[-2][0]["ids"] + engine.tokenizer.encode(" Go on.")
+            follow = await _collect(engine, turn, SamplingParams(max_tokens=5, seed=11))
+            return [first, *rest, follow]
+
+        results = asyncio.run(scenario())
+        return results, engine.stats()
+    finally:
+        engine.shutdown()
+
+
+def test_paged_engine_samples_exactly_what_the_slot_engine_samples(tiny_model_dir):
+    slots, slot_stats = _run(tiny_model_dir, "slots")
+    paged, paged_stats = _run(tiny_model_dir, "paged")
+    assert paged == slots  # token ids, log-probs, finish reasons, prompt log-probs
+    assert any("prompt" in sample for result in paged for sample in result)
+    assert paged_stats["cached_prompt_tokens"] >= 4 * 3 * BLOCK  # four asks hit the system
+    assert paged_stats["cached_prompt_tokens"] == slot_stats["cached_prompt_tokens"]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    return PagedModelRunner(model, num_slots=4, max_model_len=256, block_size=BLOCK)
+
+
+def test_copies_share_full_blocks_and_copy_only_the_partial_one(runner):
+    prompt = [(7 + 3 * i) % 97 + 3 for i in range(2 * BLOCK + 5)]  # two full blocks + 5
+    runner.prefill([0], [prompt], [0])
+    runner.copy_slot(0, 1, len(prompt))
+    source, copy = runner.tables.sequences[0], runner.tables.sequences[1]
+    assert copy.blocks[:2] == source.blocks[:2] and copy.blocks[2] != source.blocks[2]
+    assert all(runner.allocator.refs[b] == 2 for b in source.blocks[:2])
+    keys = runner.cache.keys
+    for src, dst in zip(source.blocks, copy.blocks, strict=True):
+        span = slice(src * BLOCK, (src + 1) * BLOCK)
+        assert torch.equal(keys[:, :, span], keys[:, :, dst * BLOCK : (dst + 1) * BLOCK])
+    # both continue alike: one decode step over the pair gives one row of logits twice
+    logits = runner.decode(torch.tensor([5, 5]), torch.tensor([len(prompt)] * 2))
+    assert torch.equal(logits[0], logits[1])
+    runner.swap_slots(0, 1, len(prompt) + 1)
+    assert runner.tables.sequences[0] is copy and runner.tables.sequences[1] is source
+    runner.release_memory()
+    assert not runner.tables.sequences
+    assert runner.allocator.free_count == runner.allocator.num_blocks - 1
+
+
+def test_a_cached_prefix_is_shared_in_place_and_forgotten_on_clear(runner):
+    cache = PagedPrefixCache(runner, capacity_tokens=8 * BLOCK)
+    prompt = [(11 + 5 * i) % 89 + 3 for i in range(3 * BLOCK + 2)]
+    runner.prefill([0], [prompt], [0])
+    cache.store(prompt, slot=0, length=len(prompt))
+    hits, missing = cache.lookup(prompt, len(prompt) - 1)
+    assert hits == runner.tables.sequences[0].blocks[:3] and missing is None
+    free_before = runner.allocator.free_count
+    assert cache.load(hits, slot=2) == 3 * BLOCK
+    assert runner.allocator.free_count == free_before  # shared, nothing allocated
+    # the rest of the prompt after the hit computes the same last logits as the full prefill
+    alone = ModelRunner(runner.model, num_slots=1, max_model_len=256)
+    want = alone.prefill([0], [prompt], [0])
+    got = runner.prefill([2], [prompt[3 * BLOCK :]], [3 * BLOCK])
+    assert torch.equal(got, want)
+    cache.clear()
+    assert cache.lookup(prompt, len(prompt) - 1)[0] == []
+    runner.release_memory()
