@@ -120,3 +120,35 @@ def test_a_cached_prefix_is_shared_in_place_and_forgotten_on_clear(runner):
     cache.clear()
     assert cache.lookup(prompt, len(prompt) - 1)[0] == []
     runner.release_memory()
+
+
+def _steps(runner, prompts):
+    """Prefill two prompts (the second after a shared cached prefix), fork the first into
+    two samples and decode four steps; every step's logits."""
+    cache = PagedPrefixCache(runner, capacity_tokens=8 * BLOCK)
+    out = [runner.prefill([0], [prompts[0]], [0])]
+    cache.store(prompts[0], slot=0, length=len(prompts[0]))
+    hits, _ = cache.lookup(prompts[1], len(prompts[1]) - 1)
+    start = cache.load(hits, slot=2)
+    out.append(runner.prefill([2], [prompts[1][start:]], [start]))
+    runner.copy_slot(0, 1, len(prompts[0]))
+    runner.copy_slot(2, 3, len(prompts[1]))  # rows 2 and 3: the two branches of prompt 1
+    lengths = [len(prompts[0])] * 2 + [len(prompts[1])] * 2
+    for step in range(4):
+        tokens = torch.tensor([3 + step, 4 + step, 5 + step, 6 + step])
+        out.append(runner.decode(tokens, torch.tensor(lengths) + step))
+    runner.release_memory()
+    return out
+
+
+def test_flex_attention_over_the_pools_matches_the_gathered_keys(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    shared = [(13 + 7 * i) % 83 + 3 for i in range(2 * BLOCK)]
+    prompts = [shared + [5, 9, 11], shared + list(range(20, 20 + BLOCK + 3))]
+    results = {}
+    for attention in ("gather", "flex"):
+        runner = PagedModelRunner(model, 4, 128, BLOCK, prefix_blocks=8, attention=attention)
+        results[attention] = _steps(runner, prompts)
+    assert len(results["flex"]) == 6
+    for flex, gather in zip(results["flex"], results["gather"], strict=True):
+        torch.testing.assert_close(flex, gather, rtol=0, atol=1e-10)

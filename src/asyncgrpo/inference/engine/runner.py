@@ -27,23 +27,20 @@ refused with a clear error rather than run subtly wrong.
 
 from __future__ import annotations
 
-import itertools
 import math
 import mmap
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from asyncgrpo.inference.engine.attention import (
-    DecodeSpan,
-    PrefillPiece,
     decode_attention,
     decode_spans,
     prefill_attention,
     prefill_pieces,
 )
+from asyncgrpo.inference.engine.forward_steps import DecodeStep, PackedChunks, PrefillStep
 from asyncgrpo.inference.engine.types import RequestError
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -160,26 +157,6 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     pages = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]
     return torch.from_numpy(pages).view(dtype).view(shape)
-
-
-@dataclass
-class DecodeStep:
-    """A decode step's rows (B,), positions (B,), key lengths (B,) and key-length spans."""
-
-    rows: torch.Tensor
-    positions: torch.Tensor
-    lengths: torch.Tensor
-    spans: list[DecodeSpan]
-
-
-@dataclass
-class PrefillStep:
-    """A prefill's rows: their slots, chunk bounds and attention pieces."""
-
-    slots: list[int]
-    starts: list[int]
-    ends: list[int]
-    pieces: list[PrefillPiece]
 
 
 class ModelRunner:
@@ -382,39 +359,35 @@ class ModelRunner:
         longest chunk (a step's rows start after prefix-cache hits of different lengths:
         half of a padded batch was padding); only attention lays queries out by row."""
         self._refresh()
-        n = len(chunks)
-        lengths = [len(c) for c in chunks]
-        t = max(lengths)
-        ends = [s + m for s, m in zip(starts, lengths, strict=True)]
+        packed = PackedChunks.of(slots, chunks, starts)
+        rows, cols = packed.rows, packed.cols
         tokens = torch.tensor([token for chunk in chunks for token in chunk], dtype=torch.long)
-        rows = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths))  # (N,) packed
-        cols = torch.cat([torch.arange(m) for m in lengths])  # (N,) index within the chunk
         positions = (torch.tensor(starts)[rows] + cols).unsqueeze(0)  # (1, N)
-        offsets = [0, *itertools.accumulate(lengths)]
-        step = self._prefill_step(slots, chunks, starts, ends)
+        step = self._prefill_step(packed, chunks)
         h = F.embedding(tokens, self.embed).unsqueeze(0)  # (1, N, hidden)
         cos, sin = self.cos[positions], self.sin[positions]
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_input(layer, h, cos, sin)  # (1, heads, N, D)
-            by_row = q.new_zeros(n, self.num_heads, t, self.head_dim)
-            by_row[rows, :, cols] = q[0].transpose(0, 1)
-            attn = self._prefill_attend(i, by_row, k, v, offsets, step)  # (R, H, T, D)
-            h = self._mlp_residual(layer, h, attn[rows, :, cols].reshape(1, len(rows), -1))
-        hidden = h.new_zeros(n, t, h.shape[-1])
+            attn = self._prefill_attend(i, q, k, v, step)  # (N, heads, D)
+            h = self._mlp_residual(layer, h, attn.reshape(1, len(rows), -1))
+        hidden = h.new_zeros(len(chunks), packed.width, h.shape[-1])
         hidden[rows, cols] = h[0]
-        last = torch.tensor(offsets[1:]) - 1
+        last = torch.tensor(packed.offsets[1:]) - 1
         return self.logits(h[0, last]), hidden
 
-    def _prefill_step(self, slots, chunks, starts, ends) -> PrefillStep:
-        """What every layer of a prefill reads: the rows' slots, spans and attention pieces."""
-        self.ensure_capacity(max(ends))
-        return PrefillStep(slots, starts, ends, prefill_pieces(slots, starts, ends))
+    def _prefill_step(self, packed: PackedChunks, chunks) -> PrefillStep:
+        """What every layer of a prefill reads: the chunks and their attention pieces."""
+        self.ensure_capacity(max(packed.ends))
+        return PrefillStep(packed, prefill_pieces(packed.slots, packed.starts, packed.ends))
 
-    def _prefill_attend(self, i: int, by_row, k, v, offsets, step: PrefillStep) -> torch.Tensor:
+    def _prefill_attend(self, i: int, q, k, v, step: PrefillStep) -> torch.Tensor:
         """Write one layer's packed new keys and values (1, kv_heads, N, D) into the rows'
-        slots, then attend: by_row (R, heads, T, D) -> (R, heads, T, D)."""
+        slots, then attend: q (1, heads, N, D) -> (N, heads, D)."""
         k_cache, v_cache = self.k_cache[i], self.v_cache[i]
-        for r, (slot, start, end) in enumerate(zip(step.slots, step.starts, step.ends)):
+        packed, offsets = step.packed, step.packed.offsets
+        for r, (slot, start, end) in enumerate(zip(packed.slots, packed.starts, packed.ends)):
             k_cache[slot, :, start:end] = k[0, :, offsets[r] : offsets[r + 1]]
             v_cache[slot, :, start:end] = v[0, :, offsets[r] : offsets[r + 1]]
-        return prefill_attention(by_row, k_cache, v_cache, step.pieces)
+        by_row = packed.by_row(q[0].transpose(0, 1))  # (R, heads, T, D)
+        attn = prefill_attention(by_row, k_cache, v_cache, step.pieces)
+        return attn[packed.rows, :, packed.cols]

@@ -10,12 +10,14 @@ cached prefix is shared in place instead of copied into its slot. That is what a
 engine needs (memory taken as sequences grow, prefixes shared, not copied); the same
 code runs on the CPU, where it is tested against the slot runner.
 
-Attention (`attention="gather"`): each step gathers the rows' keys and values from the
+Attention, `attention="gather"` (the default): each step gathers the rows' keys and values from the
 pools into the slot runner's dense layout and calls the slot runner's attention
 (`engine/attention.py`), so on a CPU the paged engine computes exactly what the slot
 engine computes, bit for bit (tests/unit/test_paged_runner.py). It costs one copy of
 the keys a step reads, which a CPU does not need to pay (the slot runner stays the CPU
-default); on a GPU, FlexAttention over the pools (`paged/attention.py`) replaces it.
+default). `attention="flex"`: FlexAttention over the pools themselves (`paged/attention.py`),
+the block tables as its block mask, nothing gathered: what a GPU runs (compiled; on a
+CPU in float64 it runs eagerly and is tested against the gathered keys).
 
 Memory: every slot can grow to the full context, so the pools hold `slots x
 blocks per context` blocks plus the prefix cache's, allocated as zero pages the OS maps
@@ -25,7 +27,7 @@ preemption on `OutOfBlocks` is the GPU engine's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +37,14 @@ from asyncgrpo.inference.engine.attention import (
     prefill_attention,
     prefill_pieces,
 )
+from asyncgrpo.inference.engine.forward_steps import PackedChunks
+from asyncgrpo.inference.engine.paged.attention import (
+    PagedDecodeMetadata,
+    PagedPrefillMetadata,
+    kernel_table_width,
+)
+from asyncgrpo.inference.engine.paged.attention import decode_attention as paged_decode
+from asyncgrpo.inference.engine.paged.attention import prefill_attention as paged_prefill
 from asyncgrpo.inference.engine.paged.blocks import BlockAllocator
 from asyncgrpo.inference.engine.paged.cache import PagedKVCache
 from asyncgrpo.inference.engine.paged.tables import BlockTables, SequenceBlocks
@@ -46,18 +56,21 @@ class PagedDecodeStep:
     """A decode step over the pools: where the new keys go and what each row reads."""
 
     slot_mapping: torch.Tensor  # (B,) int64: pool slot of each row's new token
-    gather: torch.Tensor  # (B, K) int64: pool slot of each row's positions 0..K-1
     lengths: torch.Tensor  # (B,) int64: keys each row attends over
     spans: list
+    gather: torch.Tensor | None = None  # (B, K) int64: pool slots of positions 0..K-1
+    flex: PagedDecodeMetadata | None = None
 
 
 @dataclass
 class PagedPrefillStep:
-    """A prefill over the pools: the packed tokens' slots and each row's positions."""
+    """A prefill over the pools: the packed tokens' slots and what each row reads."""
 
+    packed: PackedChunks
     slot_mapping: torch.Tensor  # (N,) int64: pool slot of each packed new token
-    gather: torch.Tensor  # (R, K) int64: pool slot of each row's positions 0..K-1
-    pieces: list
+    gather: torch.Tensor | None = None  # (R, K) int64: pool slots of positions 0..K-1
+    pieces: list = field(default_factory=list)
+    flex: PagedPrefillMetadata | None = None
 
 
 class PagedModelRunner(ModelRunner):
@@ -70,9 +83,15 @@ class PagedModelRunner(ModelRunner):
         max_model_len: int,
         block_size: int,
         prefix_blocks: int = 0,
+        attention: str = "gather",
     ):
+        if attention not in ("gather", "flex"):
+            raise ValueError(f"attention {attention!r}: gather or flex")
         self.block_size = block_size
         self.prefix_blocks = prefix_blocks
+        self.attention = attention
+        # FlexAttention's compiled kernel takes float32/bfloat16/float16; float64 runs eagerly
+        self._compiled = next(model.parameters()).dtype != torch.float64
         super().__init__(model, num_slots, max_model_len)
 
     # ---- the cache: blocks instead of slot rows ------------------------------
@@ -186,24 +205,64 @@ class PagedModelRunner(ModelRunner):
         mapping = []
         for slot, (token, position) in enumerate(zip(tokens.tolist(), positions.tolist())):
             mapping += self._extend(slot, position, [token])
-        index = self._gather_index(list(range(len(mapping))), max(s.key_len for s in spans))
-        return PagedDecodeStep(torch.tensor(mapping), index, positions + 1, spans)
+        rows = list(range(len(mapping)))
+        step = PagedDecodeStep(torch.tensor(mapping), positions + 1, spans)
+        if self.attention == "gather":
+            step.gather = self._gather_index(rows, max(s.key_len for s in spans))
+        else:
+            step.flex = PagedDecodeMetadata.build(
+                self._kernel_table(rows),
+                step.lengths.to(torch.int32),
+                self.tables.block_positions_tensor(),
+                self.block_size,
+            )
+        return step
 
     def _decode_attend(self, i: int, q, k, v, step: PagedDecodeStep) -> torch.Tensor:
         self.cache.write(i, k[:, :, 0], v[:, :, 0], step.slot_mapping)
+        if step.flex is not None:
+            batch = q.shape[0]
+            flat = q.reshape(batch, self.num_heads, self.head_dim)  # heads kv-major, as folded
+            attn = paged_decode(flat, *self.cache.pools(i), step.flex, compiled=self._compiled)
+            return attn.view(q.shape)
         keys, values = self._gathered(i, step.gather)  # (B, kv_heads, K, D)
         return decode_attention(q, keys, values, step.spans, step.lengths)
 
-    def _prefill_step(self, slots, chunks, starts, ends) -> PagedPrefillStep:
-        self.ensure_capacity(max(ends))
+    def _prefill_step(self, packed: PackedChunks, chunks) -> PagedPrefillStep:
+        self.ensure_capacity(max(packed.ends))
         mapping = []
-        for slot, chunk, start in zip(slots, chunks, starts, strict=True):
+        for slot, chunk, start in zip(packed.slots, chunks, packed.starts, strict=True):
             mapping += self._extend(slot, start, list(chunk))
-        index = self._gather_index(list(slots), max(ends))
-        pieces = prefill_pieces(list(range(len(slots))), starts, ends)  # rows of the gather
-        return PagedPrefillStep(torch.tensor(mapping), index, pieces)
+        step = PagedPrefillStep(packed, torch.tensor(mapping))
+        if self.attention == "gather":
+            step.gather = self._gather_index(packed.slots, max(packed.ends))
+            rows = list(range(len(packed.slots)))  # the gathered rows
+            step.pieces = prefill_pieces(rows, packed.starts, packed.ends)
+        else:
+            positions = torch.tensor(packed.starts)[packed.rows] + packed.cols  # (N,)
+            step.flex = PagedPrefillMetadata.build(
+                self._kernel_table(packed.slots),
+                packed.rows.to(torch.int32),
+                positions.to(torch.int32),
+                self.tables.block_positions_tensor(),
+                self.block_size,
+            )
+        return step
 
-    def _prefill_attend(self, i: int, by_row, k, v, offsets, step: PagedPrefillStep):
+    def _prefill_attend(self, i: int, q, k, v, step: PagedPrefillStep) -> torch.Tensor:
         self.cache.write(i, k[0].transpose(0, 1), v[0].transpose(0, 1), step.slot_mapping)
+        packed = step.packed
+        if step.flex is not None:
+            flat = q[0].transpose(0, 1)  # (N, heads, D)
+            return paged_prefill(flat, *self.cache.pools(i), step.flex, compiled=self._compiled)
         keys, values = self._gathered(i, step.gather)  # (R, kv_heads, K, D)
-        return prefill_attention(by_row, keys, values, step.pieces)
+        by_row = packed.by_row(q[0].transpose(0, 1))  # (R, heads, T, D)
+        attn = prefill_attention(by_row, keys, values, step.pieces)
+        return attn[packed.rows, :, packed.cols]
+
+    def _kernel_table(self, slots: list[int]) -> torch.Tensor:
+        """The slots' block tables as wide as the attention kernel reads them."""
+        per_slot = -(-self.max_model_len // self.block_size)
+        device_type = self.cache.keys.device.type
+        width = kernel_table_width(device_type, self.cache.num_blocks, per_slot)
+        return self.tables.block_table_tensor(slots, width)
