@@ -6,7 +6,8 @@
 # table and JSON under $OUT (default ./gpu_out), the benchmarks' result files under
 # $OUT/results/<benchmark>/ (copy them into benchmarks/results/ to keep them). The checks
 # without the paged tests took about 4 minutes on an H100, start-up not counted; the paged
-# tests compile FlexAttention for 8 variants and have not yet run on a GPU.
+# tests compile FlexAttention for 8 variants and the paged runner's for a few shapes; they
+# have not yet run on a GPU (their CPU variants have).
 #
 #     OUT=/tmp/gpu bash benchmarks/gpu_check.sh
 #
@@ -29,6 +30,9 @@ timeout 150 python3 -m pytest -q -m gpu tests/integration/test_cuda_trainer.py \
 # the CUDA engine's parts: paged attention against the dense reference, IPC weight handover
 timeout 240 python3 -m pytest -q -m gpu tests/unit/test_paged_cuda.py -p no:cacheprovider \
     2>&1 | tee "$OUT/paged_cuda.txt" | tail -5
+# the paged runner on the GPU: the CPU's logits, the model's greedy argmax, the bf16 gap
+timeout 240 python3 -m pytest -q -s -m gpu tests/unit/test_paged_runner_cuda.py \
+    -p no:cacheprovider 2>&1 | tee "$OUT/paged_runner_cuda.txt" | tail -8
 
 speed() {  # name, then trainer_speed.py arguments
     local name=$1

@@ -182,12 +182,13 @@ class ModelRunner:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm
-        use_onednn = onednn_linear_available(self.dtype)
+        self.device = self.embed.device  # the model's: a CUDA model runs on its GPU
+        use_onednn = self.device.type == "cpu" and onednn_linear_available(self.dtype)
         self.lm_head = _Linear(model.lm_head.weight, None, use_onednn)
         self.layers = [_Layer(layer, use_onednn) for layer in inner.layers]
         self._stale: list[_Linear] = []
-        positions = torch.arange(max_model_len).unsqueeze(0)
-        probe = torch.zeros(1, dtype=torch.float32)
+        positions = torch.arange(max_model_len, device=self.device).unsqueeze(0)
+        probe = torch.zeros(1, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             cos, sin = inner.rotary_emb(probe, positions)
         self.cos = cos[0].to(self.dtype)  # (L, D)
@@ -314,8 +315,9 @@ class ModelRunner:
         self._refresh()
         b = tokens.shape[0]
         step = self._decode_step(tokens, positions)
-        h = F.embedding(tokens, self.embed).unsqueeze(1)  # (B, 1, hidden)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        at = positions.to(self.device)
+        h = F.embedding(tokens.to(self.device), self.embed).unsqueeze(1)  # (B, 1, hidden)
+        cos, sin = self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_input(layer, h, cos, sin)
             # Fold the query heads that share a kv head into the query length.
@@ -361,8 +363,8 @@ class ModelRunner:
         self._refresh()
         packed = PackedChunks.of(slots, chunks, starts)
         rows, cols = packed.rows, packed.cols
-        tokens = torch.tensor([token for chunk in chunks for token in chunk], dtype=torch.long)
-        positions = (torch.tensor(starts)[rows] + cols).unsqueeze(0)  # (1, N)
+        tokens = torch.tensor([token for chunk in chunks for token in chunk], device=self.device)
+        positions = (torch.tensor(starts)[rows] + cols).unsqueeze(0).to(self.device)  # (1, N)
         step = self._prefill_step(packed, chunks)
         h = F.embedding(tokens, self.embed).unsqueeze(0)  # (1, N, hidden)
         cos, sin = self.cos[positions], self.sin[positions]
@@ -371,8 +373,8 @@ class ModelRunner:
             attn = self._prefill_attend(i, q, k, v, step)  # (N, heads, D)
             h = self._mlp_residual(layer, h, attn.reshape(1, len(rows), -1))
         hidden = h.new_zeros(len(chunks), packed.width, h.shape[-1])
-        hidden[rows, cols] = h[0]
-        last = torch.tensor(packed.offsets[1:]) - 1
+        hidden[rows.to(self.device), cols.to(self.device)] = h[0]
+        last = torch.tensor(packed.offsets[1:], device=self.device) - 1
         return self.logits(h[0, last]), hidden
 
     def _prefill_step(self, packed: PackedChunks, chunks) -> PrefillStep:

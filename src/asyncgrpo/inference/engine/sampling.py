@@ -91,7 +91,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
         kth = values.gather(1, (k - 1).unsqueeze(1))
         return logits.masked_fill(logits < kth, float("-inf"))
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-    rank = torch.arange(vocab).unsqueeze(0)
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = rank >= k.unsqueeze(1)
     if needs_p:
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
@@ -111,12 +111,14 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> SampleOutput:
     b, vocab = logits.shape
     blocks = -(-vocab // BLOCK)
     # One working buffer, padded to whole blocks; the padding gets zero probability.
-    work = torch.empty(b, blocks * BLOCK)
+    device = logits.device
+    work = torch.empty(b, blocks * BLOCK, device=device)
     work[:, vocab:] = float("-inf")
     # `not t >= GREEDY_BELOW` rather than `t < GREEDY_BELOW`: a NaN temperature is greedy
     temperatures = [r.temperature if r.temperature >= GREEDY_BELOW else 1.0 for r in rows]
     if any(t != 1.0 for t in temperatures):
-        torch.div(logits, torch.tensor(temperatures).unsqueeze(1), out=work[:, :vocab])
+        divisors = torch.tensor(temperatures, device=device).unsqueeze(1)
+        torch.div(logits, divisors, out=work[:, :vocab])
     else:
         work[:, :vocab] = logits
     greedy = [i for i, r in enumerate(rows) if not r.temperature >= GREEDY_BELOW]
@@ -126,23 +128,23 @@ def sample(logits: torch.Tensor, rows: list[RowParams]) -> SampleOutput:
         if r.temperature >= GREEDY_BELOW and (r.top_k > 0 or r.top_p < 1.0)
     ]
     if filtered:
-        idx = torch.tensor(filtered)
-        top_k = torch.tensor([rows[i].top_k for i in filtered])
-        top_p = torch.tensor([rows[i].top_p for i in filtered])
+        idx = torch.tensor(filtered, device=device)
+        top_k = torch.tensor([rows[i].top_k for i in filtered], device=device)
+        top_p = torch.tensor([rows[i].top_p for i in filtered], device=device)
         work[idx, :vocab] = _filter_top_k_top_p(work[idx, :vocab], top_k, top_p)
     # Unnormalised probabilities in place: exp(x - max) never overflows.
     weights = work.sub_(work.amax(dim=-1, keepdim=True)).exp_()
     block_cdf = weights.view(b, blocks, BLOCK).sum(dim=-1).cumsum_(dim=-1)  # (B, blocks)
     total = block_cdf[:, -1:]
     _require_finite(total)  # before any seeded generator is drawn from
-    uniform = torch.rand(b, 1)
+    uniform = torch.rand(b, 1)  # on the host: a seed draws the same numbers on every device
     for i, r in enumerate(rows):
         if r.generator is not None:
             uniform[i] = torch.rand(1, generator=r.generator)
-    target = uniform * total
+    target = uniform.to(device) * total
     tokens = _invert_cdf(weights.view(b, blocks, BLOCK), block_cdf, target)
     if greedy:
-        g = torch.tensor(greedy)
+        g = torch.tensor(greedy, device=device)
         tokens[g] = weights[g].argmax(dim=-1)
     log_total = total.log()
     chosen = weights.gather(1, tokens.unsqueeze(1)).log_().sub_(log_total).squeeze(1)
@@ -181,7 +183,11 @@ def _invert_cdf(weights: torch.Tensor, block_cdf: torch.Tensor, target: torch.Te
     b, blocks, size = weights.shape
     block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=blocks - 1)  # (B, 1)
     before = block_cdf.gather(1, (block - 1).clamp(min=0)).masked_fill_(block == 0, 0.0)
-    inner = weights[torch.arange(b), block.squeeze(1)].cumsum(dim=-1).add_(before)  # (B, BLOCK)
+    inner = (
+        weights[torch.arange(b, device=weights.device), block.squeeze(1)]
+        .cumsum(dim=-1)
+        .add_(before)
+    )  # (B, BLOCK)
     last = inner[:, -1:]
     target = torch.minimum(torch.maximum(target, before), torch.nextafter(last, before))
     entry = torch.searchsorted(inner, target, right=True).clamp_(max=size - 1)

@@ -115,6 +115,7 @@ class PagedModelRunner(ModelRunner):
             num_blocks,
             self.block_size,
             self.dtype,
+            self.device,
             zeroed=True,
         )
         self.capacity = self.max_model_len
@@ -151,8 +152,8 @@ class PagedModelRunner(ModelRunner):
         blocks = source.blocks[:full]
         if length % self.block_size:
             blocks.append(self.allocator.allocate(full))
-            pair = torch.tensor([source.blocks[full]]), torch.tensor([blocks[full]])
-            self.cache.copy_blocks(*pair)
+            pair = [source.blocks[full]], [blocks[full]]
+            self.cache.copy_blocks(*(torch.tensor(b, device=self.device) for b in pair))
         written = min(source.written, full * self.block_size)
         keys = source.keys[: written // self.block_size]
         copy = SequenceBlocks(blocks, source.tokens[:length], written, keys)
@@ -182,8 +183,8 @@ class PagedModelRunner(ModelRunner):
         """(R, key_len) pool slots of each slot's positions 0..key_len-1; positions past
         a slot's blocks read the scratch block (their attention weight is zero)."""
         width = -(-key_len // self.block_size)
-        table = self.tables.block_table_tensor(slots, max(width, 1)).long()  # (R, W)
-        positions = torch.arange(key_len)
+        table = self.tables.block_table_tensor(slots, max(width, 1), self.device).long()  # (R, W)
+        positions = torch.arange(key_len, device=self.device)
         return (
             table[:, positions // self.block_size] * self.block_size + positions % self.block_size
         )
@@ -206,14 +207,15 @@ class PagedModelRunner(ModelRunner):
         for slot, (token, position) in enumerate(zip(tokens.tolist(), positions.tolist())):
             mapping += self._extend(slot, position, [token])
         rows = list(range(len(mapping)))
-        step = PagedDecodeStep(torch.tensor(mapping), positions + 1, spans)
+        lengths = (positions + 1).to(self.device)
+        step = PagedDecodeStep(torch.tensor(mapping, device=self.device), lengths, spans)
         if self.attention == "gather":
             step.gather = self._gather_index(rows, max(s.key_len for s in spans))
         else:
             step.flex = PagedDecodeMetadata.build(
                 self._kernel_table(rows),
                 step.lengths.to(torch.int32),
-                self.tables.block_positions_tensor(),
+                self.tables.block_positions_tensor(self.device),
                 self.block_size,
             )
         return step
@@ -233,7 +235,7 @@ class PagedModelRunner(ModelRunner):
         mapping = []
         for slot, chunk, start in zip(packed.slots, chunks, packed.starts, strict=True):
             mapping += self._extend(slot, start, list(chunk))
-        step = PagedPrefillStep(packed, torch.tensor(mapping))
+        step = PagedPrefillStep(packed, torch.tensor(mapping, device=self.device))
         if self.attention == "gather":
             step.gather = self._gather_index(packed.slots, max(packed.ends))
             rows = list(range(len(packed.slots)))  # the gathered rows
@@ -242,9 +244,9 @@ class PagedModelRunner(ModelRunner):
             positions = torch.tensor(packed.starts)[packed.rows] + packed.cols  # (N,)
             step.flex = PagedPrefillMetadata.build(
                 self._kernel_table(packed.slots),
-                packed.rows.to(torch.int32),
-                positions.to(torch.int32),
-                self.tables.block_positions_tensor(),
+                packed.rows.to(self.device, torch.int32),
+                positions.to(self.device, torch.int32),
+                self.tables.block_positions_tensor(self.device),
                 self.block_size,
             )
         return step
@@ -265,4 +267,4 @@ class PagedModelRunner(ModelRunner):
         per_slot = -(-self.max_model_len // self.block_size)
         device_type = self.cache.keys.device.type
         width = kernel_table_width(device_type, self.cache.num_blocks, per_slot)
-        return self.tables.block_table_tensor(slots, width)
+        return self.tables.block_table_tensor(slots, width, self.device)
