@@ -29,14 +29,21 @@ def serve_tinker(model_dir: Path, state_dir: Path, dtype: str = "float32") -> It
 
 @contextmanager
 def running_tinker(
-    model_dir: Path, state_dir: Path, dtype: str = "float32", **build_args
+    model_dir: Path,
+    state_dir: Path,
+    dtype: str = "float32",
+    engine=None,
+    start_timeout: float = 120,
+    **build_args,
 ) -> Iterator[tuple[str, object]]:
     """The server's base URL and its `TinkerService` (for tests that look inside it) while
-    the block runs; `build_args` go to `build_service` (e.g. `session_ttl_s`)."""
+    the block runs; `engine`: what samples (default: the embedded engine in `dtype`), given
+    `start_timeout` seconds to start; `build_args` go to `build_service` (e.g.
+    `session_ttl_s`)."""
     from asyncgrpo.tinker.app import create_app
     from asyncgrpo.tinker.build import build_service
 
-    engine = EmbeddedEngineConfig(model=str(model_dir), dtype=dtype, num_threads=1)
+    engine = engine or EmbeddedEngineConfig(model=str(model_dir), dtype=dtype, num_threads=1)
     service = build_service(str(model_dir), model_dir, engine, state_dir, **build_args)
     port = free_port()
     config = uvicorn.Config(
@@ -49,7 +56,7 @@ def running_tinker(
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, thread)
+        _wait_healthy(url, thread, start_timeout)
         yield url, service
     finally:
         server.should_exit = True

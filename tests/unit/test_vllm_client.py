@@ -130,6 +130,38 @@ def test_complete_sends_token_ids_and_vllm_sampling_params():
     assert completion.prompt_token_ids == [1, 2, 3]
 
 
+def test_a_request_names_its_adapter_and_can_score_the_prompt():
+    """`use_adapter` (a training run's adapter: its version on every token, its requests
+    counted) or an adapter named per request (`model`, tinker-serve's samplers), and vLLM's
+    prompt log-probs read as the embedded engine reports them."""
+    server = ScriptedVLLM({})
+    spans = [{"version": "default", "start": 0, "end": 1}]
+    prompt_logprobs = [
+        None,
+        {"5": {"logprob": -3.0, "rank": 9}, "11": {"logprob": -0.1, "rank": 1}},
+        {"6": {"logprob": -0.2, "rank": 1}},
+    ]
+    server.routes[GENERATE_PATH] = [
+        httpx.Response(200, json={"choices": [choice([4], spans)]}),
+        httpx.Response(
+            200, json={"choices": [choice([4], spans)], "prompt_logprobs": prompt_logprobs}
+        ),
+    ]
+    client = make_client(server)
+    client.use_adapter(3)
+    trained = run(client.complete([1, 5, 6], max_tokens=1))
+    named = run(client.complete([1, 5, 6], max_tokens=1, model="sampler-a", prompt_logprobs=1))
+    first, second = server.bodies(GENERATE_PATH)
+    assert first["model"] == "asyncgrpo-v3" and "prompt_logprobs" not in first["sampling_params"]
+    assert (
+        trained.samples[0].weight_versions == [3] and client.adapter_requests["asyncgrpo-v3"] == 0
+    )
+    assert second["model"] == "sampler-a" and second["sampling_params"]["prompt_logprobs"] == 1
+    assert named.samples[0].weight_versions == [0]  # vLLM's label: the adapter is the caller's
+    assert named.prompt_logprobs == [None, -3.0, -0.2]
+    assert named.prompt_top_logprobs == [None, [(11, -0.1)], [(6, -0.2)]]
+
+
 def test_logprobs_of_other_tokens_are_a_protocol_error():
     spans = [{"version": "1", "start": 0, "end": 2}]
     answer = {"choices": [choice([7, 8], spans, logprob_ids=[7, 9])]}

@@ -1,5 +1,6 @@
 """Assemble a `TinkerService`: its database, the base model for training, the engine for
-sampling."""
+sampling (the embedded engine, or with a `VLLMEngineConfig` a vLLM server:
+`vllm_sampling.py`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from asyncgrpo.base.config import EmbeddedEngineConfig, TrainerConfig
+from asyncgrpo.base.config import EmbeddedEngineConfig, TrainerConfig, VLLMEngineConfig
 from asyncgrpo.base.hardware import keep_freed_memory
 from asyncgrpo.inference.adapters import ADAPTER_PREFIX, LORA_A_SUFFIX, LORA_B_SUFFIX
 from asyncgrpo.tinker.limits import TinkerLimits
+from asyncgrpo.tinker.sampling import EngineWeights
 from asyncgrpo.tinker.service import ServedModel, TinkerService
 from asyncgrpo.tinker.sessions import DEFAULT_TTL_S
 from asyncgrpo.tinker.store import TinkerStore
@@ -19,36 +21,49 @@ from asyncgrpo.tinker.store import TinkerStore
 def build_service(
     name: str,
     model_dir: Path,
-    engine_cfg: EmbeddedEngineConfig,
+    engine_cfg: EmbeddedEngineConfig | VLLMEngineConfig,
     state_dir: Path,
     limits: TinkerLimits | None = None,
     session_ttl_s: float = DEFAULT_TTL_S,
     database: str | None = None,
+    max_resident_models: int | None = None,
 ) -> TinkerService:
     """The service over `model_dir`; its engine process starts loading at once. It trains
     on this process's CPU, which keeps freed memory for reuse (`keep_freed_memory`).
     `session_ttl_s`: how long a session lives without a word from its client; `database`:
     a SQLAlchemy URL (default: SQLite under `state_dir`), opened first, so that one it
-    cannot use (`database.DatabaseError`) stops the start before any model loads."""
+    cannot use (`database.DatabaseError`) stops the start before any model loads;
+    `max_resident_models`: training models (and sets of sampler weights) kept in memory,
+    the least recently used beyond it offloaded to `state_dir` (None: no bound)."""
     store = TinkerStore.open(database, Path(state_dir))
     try:
-        return _assemble(name, model_dir, engine_cfg, state_dir, limits, session_ttl_s, store)
+        return _assemble(
+            name,
+            model_dir,
+            engine_cfg,
+            state_dir,
+            limits,
+            session_ttl_s,
+            store,
+            max_resident_models,
+        )
     except BaseException:
         store.close()
         raise
 
 
-def _assemble(name, model_dir, engine_cfg, state_dir, limits, session_ttl_s, store):
+def _assemble(
+    name, model_dir, engine_cfg, state_dir, limits, session_ttl_s, store, max_resident_models=None
+):
     """The base model, the engine (launched) and the service over them."""
     from transformers import AutoModelForCausalLM
 
-    from asyncgrpo.inference.backend.embedded import EmbeddedBackend
     from asyncgrpo.tinker.training import LoraModels
 
     keep_freed_memory()
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    backend = EmbeddedBackend(engine_cfg)
-    backend.launch()  # the engine loads while this process builds the trainer
+    # the engine loads while this process builds the trainer
+    backend, engine, limits = _sampling(engine_cfg, base, Path(state_dir), limits or TinkerLimits())
     config = base.config
     served = ServedModel(
         name=name,
@@ -62,12 +77,28 @@ def _assemble(name, model_dir, engine_cfg, state_dir, limits, session_ttl_s, sto
         served,
         models,
         backend,
-        limits or TinkerLimits(),
-        zero_adapter(base),
+        limits,
+        engine,
         state_dir,
         store,
         session_ttl_s,
+        max_resident_models,
     )
+
+
+def _sampling(engine_cfg, base, state_dir: Path, limits: TinkerLimits):
+    """The engine's backend (launched), how a sample gets its sampler's weights there, and
+    `limits` with the LoRA ranks that engine serves."""
+    if isinstance(engine_cfg, VLLMEngineConfig):
+        from asyncgrpo.tinker.vllm_sampling import vllm_sampling
+
+        return vllm_sampling(engine_cfg, state_dir, limits)
+    from asyncgrpo.inference.backend.embedded import EmbeddedBackend
+
+    backend = EmbeddedBackend(engine_cfg)
+    backend.launch()
+    base_adapter = zero_adapter(base)
+    return backend, EngineWeights(backend, lambda: base_adapter), limits
 
 
 def zero_adapter(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -4,7 +4,10 @@
 publishing one of them goes through its factors by peft's *saved* names
 (`base_model.model.<module>.lora_A.weight`, no adapter name inside), the names the engine
 syncs (`adapters.py`) and a PEFT adapter file uses. Adam's moments are keyed by the same
-names (`optimizer.<saved name>.<key>`), so a state never depends on parameter order.
+names (`optimizer.<saved name>.<key>`), so a state never depends on parameter order; so are
+the gradients a model has accumulated and not yet stepped on (`gradient.<saved name>`),
+which a model taken out of memory between its `forward_backward` and its `optim_step`
+(`offload.py`) carries with it.
 
 Why not `trainer/lora.adapter_weights`: on a model with tied embeddings and `lm_head`
 targeted, peft's `get_peft_model_state_dict` adds the base head weight
@@ -19,6 +22,7 @@ from asyncgrpo.learning.trainer.lora import LORA_SUFFIXES, SAVED_PREFIX
 from asyncgrpo.tinker.errors import TinkerUserError
 
 OPTIMIZER_PREFIX = "optimizer."
+GRADIENT_PREFIX = "gradient."
 STATE_FIELD = "path"
 
 
@@ -102,3 +106,21 @@ def load_optimizer(
             state[index[id(param)]] = entry
     saved = optimizer.state_dict()
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def gradient_tensors(factors: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """`gradient.<saved name>` -> a copy of each factor's pending gradient (none for a
+    factor without one)."""
+    return {
+        f"{GRADIENT_PREFIX}{name}": param.grad.detach().clone()
+        for name, param in factors.items()
+        if param.grad is not None
+    }
+
+
+def load_gradients(factors: dict[str, torch.nn.Parameter], tensors: dict[str, torch.Tensor]):
+    """Give each factor the pending gradient `gradient_tensors` saved for it (a factor
+    without one is left with none)."""
+    for name, param in factors.items():
+        saved = tensors.get(f"{GRADIENT_PREFIX}{name}")
+        param.grad = None if saved is None else saved.to(param.device, param.dtype)

@@ -5,8 +5,10 @@ how long operations take to run, observed as each ends (forward, forward_backwar
 optim_step on the trainer; sample on the engine, its wait for the engine's weights
 included), the tokens sampled (whose rate is the engine's tokens/s for Tinker clients),
 and, read from the service at each scrape, the futures pending, each model's queue depth
-(operations queued or running in its `seq_id` order), the models resident in memory, the
-samplers, and the sessions live and ended.
+(operations queued or running in its `seq_id` order), the models resident in memory and
+those offloaded to disk (`--max-resident-models`), the sets of sampler weights offloaded,
+how many times each kind was offloaded and reloaded, the samplers, and the sessions live
+and ended.
 """
 
 from __future__ import annotations
@@ -74,6 +76,17 @@ class TinkerMetrics:
             value=svc.resident_models(),
         )
         yield GaugeMetricFamily(
+            "asyncgrpo_tinker_offloaded_models",
+            "Training models offloaded to disk beyond --max-resident-models",
+            value=len(svc.offload.offloaded),
+        )
+        yield GaugeMetricFamily(
+            "asyncgrpo_tinker_offloaded_sampler_weights",
+            "Sets of sampler weights offloaded to disk beyond --max-resident-models",
+            value=svc.snapshots.offloaded_count(),
+        )
+        yield from offload_counters(svc)
+        yield GaugeMetricFamily(
             "asyncgrpo_tinker_samplers", "Sampling sessions in memory", value=len(svc.samplers)
         )
         yield GaugeMetricFamily(
@@ -87,3 +100,17 @@ class TinkerMetrics:
         for how, count in svc.sessions.ended_total.items():
             ended.add_metric([how], count)
         yield ended
+
+
+def offload_counters(svc):
+    """Offloads to disk and reloads from it, by what moved: a model or sampler weights."""
+    moved = {"model": svc.offload, "sampler_weights": svc.snapshots}
+    for name, what in (("offloads", "Offloads to disk"), ("reloads", "Reloads from disk")):
+        family = CounterMetricFamily(
+            f"asyncgrpo_tinker_{name}",
+            f"{what} beyond --max-resident-models, by kind",
+            labels=["kind"],
+        )
+        for kind, keeper in moved.items():
+            family.add_metric([kind], getattr(keeper, name))
+        yield family

@@ -10,6 +10,10 @@ and switches to another sampler's weights only when the engine is idle. A switch
 LoRA adapter sync (tens of milliseconds on the embedded engine: `asyncgrpo.inference.adapters`);
 waiting switches are served before new requests of the loaded sampler join, so a busy
 sampler cannot starve the others.
+
+On a vLLM server (`tinker-serve --engine vllm`) nothing is switched: each sampler's
+weights are a LoRA adapter loaded by name beside the others (`vllm_sampling.VLLMAdapters`).
+Both draw a sample the same way (`SamplingEngine`).
 """
 
 from __future__ import annotations
@@ -20,27 +24,47 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-
-import torch
+from typing import Protocol
 
 from asyncgrpo.inference.backend.base import EngineBackend
+from asyncgrpo.inference.client.engine_client import Completion
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.sample_wire import SampleCall, SampledSequence, encode_sample_response
 from asyncgrpo.tinker.sessions import owner_of
-
-NamedTensors = list[tuple[str, torch.Tensor]]
+from asyncgrpo.tinker.snapshots import NamedTensors, SnapshotWeights
 
 
 @dataclass(frozen=True)
 class Sampler:
-    """A sampling session: fixed weights (`weights`, None for the base model), or the
-    newest weights of training model `follows` (an `inflight` sampler)."""
+    """A sampling session: fixed weights (`weights`, shared with the samplers made from the
+    same ones; None for the base model), or the newest weights of training model `follows`
+    (an `inflight` sampler)."""
 
     sampler_id: str
     base_model: str
     model_path: str | None = None
-    weights: NamedTensors | None = None
+    weights: SnapshotWeights | None = None
     follows: str | None = None
+
+
+class SamplingEngine(Protocol):
+    """How the service draws a sample with a sampler's weights."""
+
+    async def sample(
+        self,
+        key: tuple,
+        weights: Callable[[], NamedTensors | None],
+        call: SampleCall,
+        in_use: Callable[[tuple], bool],
+    ) -> Completion:
+        """Sample `call` with the weights named `key` (`sampling_ops` names them; read by
+        `weights()` when needed, None meaning the base model's); `in_use(key)` says whether
+        a sampler can still ask for a key's weights."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the engine holds for the samplers (the backend closes itself)."""
+        ...
 
 
 class EngineWeights:
@@ -82,6 +106,15 @@ class EngineWeights:
                 self._running -= 1
                 self._turn.notify_all()
 
+    async def sample(self, key, weights, call: SampleCall, in_use) -> Completion:
+        """`SamplingEngine.sample` on the engine switched to `key`'s weights (`in_use` is
+        not needed: the next switch replaces whatever weights the engine holds)."""
+        async with self.holding(key, weights):
+            return await self.backend.client.complete(call.prompt.tolist(), **engine_args(call))
+
+    async def close(self) -> None:
+        """Nothing to release: the engine's weights go with its process."""
+
     def _may_enter(self, key: tuple) -> bool:
         if self._loaded == key:
             return not any(k != key for k in self._waiting)  # switches waiting go first
@@ -115,6 +148,9 @@ class SamplerRegistry:
             raise TinkerUserError(
                 "sampling_session_id", f"unknown sampling session {sampler_id!r}"
             ) from None
+
+    def __contains__(self, sampler_id: str) -> bool:
+        return sampler_id in self._samplers
 
     def saved(self, path: str) -> Sampler | None:
         return self._saved.get(path)

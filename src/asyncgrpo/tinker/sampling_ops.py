@@ -5,20 +5,20 @@ saved path or the base model, and samples drawn on the engine.
 samples with: a `snapshot` (the model's weights at that point, also written to
 `tinker://<model_id>/sampler_weights/<name>` when named) or `inflight` (the model's newest
 weights, whatever step it is at). A sample runs on the engine, beside training, holding
-the engine on its sampler's weights (`sampling.EngineWeights`).
+the engine on its sampler's weights (`sampling.EngineWeights`), or, on vLLM, naming the
+adapter its sampler's weights were loaded as (`vllm_sampling.VLLMAdapters`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from asyncgrpo.inference.server.request_log import note
 from asyncgrpo.tinker.checkpoints import check_name, tinker_path
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.futures import Outcome
 from asyncgrpo.tinker.sample_wire import SampleCall, check_sample
-from asyncgrpo.tinker.sampling import Sampler, engine_args, sample_response
+from asyncgrpo.tinker.sampling import Sampler, sample_response
 from asyncgrpo.tinker.sessions import owner_of
+from asyncgrpo.tinker.snapshots import SnapshotWeights
 
 
 def save_weights_for_sampler(svc, body: dict) -> dict:
@@ -39,7 +39,7 @@ def save_weights_for_sampler(svc, body: dict) -> dict:
             path, sampler_id = None, f"{session}:sample:{int(session_seq)}"
         snapshot = svc.latest[model_id][1] if kind == "snapshot" or path else None
         if path is not None:
-            svc.checkpoints.save_sampler(path, snapshot)
+            svc.checkpoints.save_sampler(path, snapshot.tensors())
             steps, size = svc.models.steps(model_id), svc.checkpoints.size_bytes(path)
             record = svc.store.checkpoint_saved(path, model_id, "sampler", str(name), steps, size)
             record.result()  # listed before the client hears of it
@@ -64,7 +64,10 @@ def create_sampling_session(svc, body: dict) -> dict:
     path, base = body.get("model_path"), body.get("base_model")
     if path is not None:
         saved = svc.samplers.saved(str(path))
-        weights = saved.weights if saved else svc.checkpoints.load_sampler(str(path))
+        if saved is not None:
+            weights = saved.weights
+        else:
+            weights = svc.snapshots.add(svc.checkpoints.load_sampler(str(path)))
         sampler = Sampler(sampler_id, svc.served.name, str(path), weights)
     elif base == svc.served.name:
         sampler = Sampler(sampler_id, svc.served.name)
@@ -92,12 +95,12 @@ def sample(svc, call: SampleCall) -> dict:
     call = check_sample(call, svc.served.vocab_size, svc.served.max_length)
 
     async def run() -> Outcome:
-        key, weights = _weights_of(svc, sampler)
+        key, snapshot = _weights_of(svc, sampler)
         with svc.metrics.timed("sample"):
-            async with svc.engine.holding(key, weights):
-                completion = await svc.backend.client.complete(
-                    call.prompt.tolist(), **engine_args(call)
-                )
+            if snapshot is not None:  # back in memory first if it was offloaded
+                await svc.snapshots.use_soon(snapshot)
+            weights = snapshot.tensors if snapshot is not None else lambda: None
+            completion = await svc.engine.sample(key, weights, call, lambda k: key_in_use(svc, k))
         svc.metrics.sampled_tokens.inc(sum(len(s.token_ids) for s in completion.samples))
         return Outcome(proto=sample_response(completion, call))
 
@@ -118,9 +121,21 @@ def sample(svc, call: SampleCall) -> dict:
     return {"request_id": request_id, "sample_sequence_ids": ids}
 
 
-def _weights_of(svc, sampler: Sampler) -> tuple[tuple, Callable]:
+def _weights_of(svc, sampler: Sampler) -> tuple[tuple, SnapshotWeights | None]:
+    """The engine's key for the sampler's weights, and those weights (None: the base's)."""
     if sampler.follows is None:
-        weights = sampler.weights
-        return (("sampler", sampler.sampler_id) if weights else ("base",)), lambda: weights
-    version, weights = svc.latest[sampler.follows]
-    return ("model", sampler.follows, version), lambda: weights
+        snapshot = sampler.weights
+        return (("sampler", sampler.sampler_id) if snapshot is not None else ("base",)), snapshot
+    version, snapshot = svc.latest[sampler.follows]
+    return ("model", sampler.follows, version), snapshot
+
+
+def key_in_use(svc, key: tuple) -> bool:
+    """Whether a sampler can still ask for the weights `_weights_of` named `key`: a snapshot
+    sampler's while it exists, a model's newest weights until it publishes newer ones."""
+    if key[0] == "sampler":
+        return key[1] in svc.samplers
+    if key[0] == "model":
+        latest = svc.latest.get(key[1])
+        return latest is not None and latest[0] == key[2]
+    return True

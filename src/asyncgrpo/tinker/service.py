@@ -13,6 +13,10 @@ Ids follow what the SDK assumes: a model created as `model_seq_id` k of session 
 `tinker://<model_id>/sampler_weights/<name>`. Everything a session created is released when
 it ends (`sessions.py`): its pending futures fail, its models and samplers leave memory.
 
+With `--max-resident-models N`, models and samplers' weights beyond N wait on disk and come
+back on their next use (`offload.py`, `snapshots.py`): every model operation goes through
+`ordered`, which brings its model in before the operation runs.
+
 What must outlive the process goes to the database (`store.py`) as it happens: sessions,
 models, checkpoints, and every operation's outcome, so that a restarted server lists what
 was saved, tells the clients of sessions that died with the process that they did, and
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -38,12 +43,10 @@ from asyncgrpo.tinker.futures import FutureTable, Outcome, SeqOrder
 from asyncgrpo.tinker.json_wire import CreateModelCall, OptimStepCall
 from asyncgrpo.tinker.limits import TinkerLimits
 from asyncgrpo.tinker.metrics import TinkerMetrics
-from asyncgrpo.tinker.sampling import (
-    EngineWeights,
-    NamedTensors,
-    SamplerRegistry,
-)
+from asyncgrpo.tinker.offload import ModelOffload, fresh_offload_dir
+from asyncgrpo.tinker.sampling import SamplerRegistry, SamplingEngine
 from asyncgrpo.tinker.sessions import DEFAULT_TTL_S, SessionTable, owner_of
+from asyncgrpo.tinker.snapshots import SnapshotCache
 from asyncgrpo.tinker.store import TinkerStore
 
 
@@ -66,16 +69,19 @@ class TinkerService:
         models,
         backend,
         limits: TinkerLimits,
-        base_adapter: NamedTensors,
+        engine: SamplingEngine,
         state_dir: Path,
         store: TinkerStore,
         session_ttl_s: float = DEFAULT_TTL_S,
+        max_resident_models: int | None = None,
     ):
         """`models`: the training models (`training.LoraModels`); `backend`: the engine
-        that samples (`asyncgrpo.inference.backend`); `base_adapter`: an adapter that leaves the
-        engine at the base weights; `state_dir`: where `tinker://` paths are stored;
-        `store`: the database (closed with the service); `session_ttl_s`: how long a
-        session lives without a word from its client."""
+        that samples (`asyncgrpo.inference.backend`); `engine`: how a sample gets its
+        sampler's weights there (`sampling.EngineWeights`, `vllm_sampling.VLLMAdapters`);
+        `state_dir`: where `tinker://` paths are stored; `store`: the database (closed
+        with the service); `session_ttl_s`: how long a session lives without a word from
+        its client; `max_resident_models`: how many training models, and how many sets of
+        sampler weights, memory holds (None: all)."""
         self.served = served
         self.models = models
         self.backend = backend
@@ -84,12 +90,15 @@ class TinkerService:
         self.futures = FutureTable(journal=store, boot=store.boot)
         self.samplers = SamplerRegistry()
         self.checkpoints = CheckpointStore(state_dir)
-        self.engine = EngineWeights(backend, lambda: base_adapter)
+        self.engine = engine
         self.sessions = SessionTable(session_ttl_s)
         self.metrics = TinkerMetrics(self)
         self._reaper: asyncio.Task | None = None
         self._pruner: asyncio.Task | None = None
         self._order: dict[str, SeqOrder] = {}
+        offload_dir = fresh_offload_dir(state_dir)  # the service holds the state dir now
+        self.offload = ModelOffload(models, offload_dir, max_resident_models, self._order)
+        self.snapshots = SnapshotCache(offload_dir, max_resident_models)
         # model id → (version, its newest weights), which `inflight` samplers follow
         self.latest: dict[str, tuple[int, Any]] = {}
         # the trainer's thread computes on this (building) thread's count, not on whatever
@@ -112,7 +121,7 @@ class TinkerService:
         self.sessions.touch(some_id, field_name)
 
     def resident_models(self) -> int:
-        return len(self.models.models)
+        return self.models.resident_count()
 
     def queue_depths(self) -> dict[str, int]:
         """Operations queued or running per model, in its seq_id order."""
@@ -225,11 +234,13 @@ class TinkerService:
         """A model just created (or loaded) in `models` takes requests: trainer thread."""
         self.publish(model_id)
         self._order[model_id] = SeqOrder()
+        self.offload.added(model_id)
 
     def publish(self, model_id: str) -> None:
         """The model's weights changed: `inflight` samplers follow. Trainer thread."""
         version = self.latest[model_id][0] + 1 if model_id in self.latest else 0
-        self.latest[model_id] = (version, self.models.sampler_weights(model_id))
+        weights = self.snapshots.add(self.models.sampler_weights(model_id))
+        self.latest[model_id] = (version, weights)
 
     def _require_model(self, model_id: str) -> None:
         self.heard(model_id, "model_id")
@@ -239,13 +250,14 @@ class TinkerService:
     def ordered(
         self, model_id: str, seq_id: int | None, work: Callable[[], Outcome], kind: str
     ) -> dict:
-        """Queue `work` (an operation of `kind`) behind the model's lower seq_ids; a
-        request id at once."""
+        """Queue `work` (an operation of `kind`) behind the model's lower seq_ids, to run
+        with the model in memory; a request id at once."""
         self._require_model(model_id)
         order = self._order[model_id]
+        in_memory = functools.partial(self.offload.run, model_id, work)
 
         async def run() -> Outcome:
-            return await order.run(seq_id, lambda: self.in_trainer(work))
+            return await order.run(seq_id, lambda: self.in_trainer(in_memory))
 
         key = (model_id, seq_id) if seq_id is not None else None
         request_id = self.futures.submit(
@@ -293,5 +305,6 @@ class TinkerService:
                     await task
         await self.futures.close()
         self._trainer.shutdown(wait=True, cancel_futures=True)
+        await self.engine.close()
         await self.backend.close()
         await asyncio.to_thread(self.store.close)

@@ -53,11 +53,12 @@ def end_session(svc, session_id: str, how: str) -> None:
 
 def release_models(svc, session_id: str) -> None:
     """Trainer thread: the session's models leave memory (adapter, Adam state, the
-    snapshot its samplers follow)."""
+    snapshot its samplers follow), or the disk where they were offloaded."""
     owned = {*svc._order, *svc.latest, *svc.models.models}
     for model_id in [m for m in owned if owner_of(m) == session_id]:
         svc._order.pop(model_id, None)
         svc.latest.pop(model_id, None)
+        svc.offload.forget(model_id)
         if model_id in svc.models.models:
             svc.models.remove(model_id)
 

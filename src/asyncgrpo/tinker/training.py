@@ -11,7 +11,10 @@ Isolation rests on peft's `set_adapter`: only the active adapter's factors requi
 so a model's backward leaves every other adapter's pending gradients alone, and its
 `optim_step` clips and steps only its own parameters (its optimizer holds nothing else).
 Each operation activates its model's adapter under one lock: one operation at a time on
-the shared base.
+the shared base. A model may leave memory between operations (`unload`, when
+`offload.py` sends it to disk) and come back (`reload`) exactly as it was: its adapter is
+injected again under its name and filled, its Adam state and pending gradients restored,
+while its `PolicyTrainer` (step count included) stays in memory throughout.
 
 Departures from a single-model `PolicyTrainer`: a Tinker datum (model input x and
 `target_tokens` y, both of length N, y[i] predicted from x[:i+1]) becomes
@@ -48,7 +51,9 @@ from asyncgrpo.learning.trainer.policy_trainer import PolicyTrainer
 from asyncgrpo.tinker.errors import TinkerUserError
 from asyncgrpo.tinker.lora_state import (
     adapter_factors,
+    gradient_tensors,
     load_adapter,
+    load_gradients,
     load_optimizer,
     optimizer_tensors,
     sampler_factors,
@@ -108,6 +113,7 @@ class _Model:
     adapter: str  # the peft adapter name (model ids may hold characters peft refuses)
     spec: LoraSpec
     trainer: PolicyTrainer
+    resident: bool = True  # False while its adapter and optimizer are out of memory
 
 
 class LoraModels:
@@ -157,19 +163,64 @@ class LoraModels:
         """Forget a model: its adapter leaves the base model, its gradients and Adam state
         go with its trainer (the last adapter too: peft then runs the bare base)."""
         with self.lock:
-            model = self._model(model_id)
+            model = self._model(model_id, resident=False)
             del self.models[model_id]
-            model.trainer.optimizer.zero_grad(set_to_none=True)
-            self.peft_model.delete_adapter(model.adapter)
+            if model.resident:
+                model.trainer.optimizer.zero_grad(set_to_none=True)
+                self.peft_model.delete_adapter(model.adapter)
 
     def spec(self, model_id: str) -> LoraSpec:
         with self.lock:
-            return self._model(model_id).spec
+            return self._model(model_id, resident=False).spec
 
     def steps(self, model_id: str) -> int:
         """The optimizer steps this model has taken (restored ones included)."""
         with self.lock:
-            return int(self._model(model_id).trainer.version)
+            return int(self._model(model_id, resident=False).trainer.version)
+
+    def is_resident(self, model_id: str) -> bool:
+        with self.lock:
+            return self._model(model_id, resident=False).resident
+
+    def resident_count(self) -> int:
+        """The models whose adapter and Adam state are in memory (without the lock, which an
+        operation holds while it runs: read by metrics scrapes on the event loop)."""
+        return sum(model.resident for model in list(self.models.values()))
+
+    def memory_tensors(self, model_id: str) -> dict[str, torch.Tensor]:
+        """Copies of all a model holds in memory as tensors, by `lora_state`'s names: its
+        adapter's factors, Adam moments and pending gradients."""
+        with self.lock:
+            model = self._model(model_id)
+            factors = adapter_factors(self.peft_model, model.adapter)
+            tensors = {name: t.detach().clone() for name, t in factors.items()}
+            tensors.update(optimizer_tensors(model.trainer.optimizer, factors))
+            tensors.update(gradient_tensors(factors))
+            return tensors
+
+    def unload(self, model_id: str) -> None:
+        """Take the model out of memory: its adapter leaves the peft model, its optimizer
+        (Adam state) and gradients are released; its spec and trainer (step count) stay."""
+        with self.lock:
+            model = self._model(model_id)
+            model.trainer.optimizer.zero_grad(set_to_none=True)
+            model.trainer.optimizer = model.trainer.scheduler = None
+            self.peft_model.delete_adapter(model.adapter)
+            model.resident = False
+
+    def reload(self, model_id: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Bring an unloaded model back from its `memory_tensors`, as it was."""
+        with self.lock:
+            model = self._model(model_id, resident=False)
+            if model.resident:
+                raise ValueError(f"model {model_id!r} is already in memory")
+            self._add_adapter(model.adapter, model.spec)  # values replaced just below
+            self.peft_model.set_adapter(model.adapter)
+            factors = load_adapter(self.peft_model, model.adapter, tensors)
+            model.trainer.build_optimizer()  # over the new parameters, as at its creation
+            load_optimizer(model.trainer.optimizer, factors, tensors)
+            load_gradients(factors, tensors)
+            model.resident = True
 
     def forward(
         self, model_id: str, datums: Sequence[TinkerDatum], loss_fn: str, config=None
@@ -250,10 +301,13 @@ class LoraModels:
                 load_optimizer(trainer.optimizer, factors, state.tensors)
                 trainer.version = int(state.meta.get("steps", 0))
 
-    def _model(self, model_id: str) -> _Model:
+    def _model(self, model_id: str, resident: bool = True) -> _Model:
+        """The model; with `resident`, one in memory (the caller brings it back first)."""
         model = self.models.get(model_id)
         if model is None:
             raise TinkerUserError(MODEL_ID_FIELD, f"no model {model_id!r} on this server")
+        if resident and not model.resident:
+            raise RuntimeError(f"model {model_id!r} is offloaded: reload it before using it")
         return model
 
     def _activate(self, model_id: str) -> PolicyTrainer:

@@ -179,7 +179,7 @@ class EngineClient(EpisodeGatewayMixin):
         completion = _completion(data, prompt_ids)
         if prompt_logprobs is not None:
             first = min(data["choices"], key=lambda c: c["index"]) if data["choices"] else {}
-            _add_prompt_logprobs(completion, first.get("prompt_logprobs"), prompt_logprobs)
+            add_prompt_logprobs(completion, first.get("prompt_logprobs"), prompt_logprobs)
         return completion
 
     async def chat(
@@ -318,9 +318,10 @@ def _completion(data: dict, prompt_ids: list[int]) -> Completion:
     )
 
 
-def _add_prompt_logprobs(completion: Completion, positions: list | None, top_k: int) -> None:
+def add_prompt_logprobs(completion: Completion, positions: list | None, top_k: int) -> None:
     """Parse vLLM's `prompt_logprobs` (None, then per position a dict token id ->
-    {logprob, rank, decoded_token} holding the prompt token and the top-k) into `completion`."""
+    {logprob, rank, decoded_token} holding the prompt token and the top-k) into `completion`.
+    Both `/v1/completions` and vLLM's `/inference/v1/generate` answer in this form."""
     prompt = completion.prompt_token_ids
     if positions is None or len(positions) != len(prompt):
         raise EngineProtocolError(

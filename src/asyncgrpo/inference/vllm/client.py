@@ -30,6 +30,9 @@ The orchestrator and the weight transports talk to every engine through the
   (vLLM's spans would carry its weight label, which adapters do not change). The
   client counts its requests in flight per adapter, so an old adapter's files are
   deleted only once nothing can need them again.
+- Callers that keep several adapters loaded at once (`tinker-serve --engine vllm`) load
+  each under a name of their own (`register_lora_adapter`) and name it per request
+  (`complete(model=...)`); they count their requests themselves.
 
 vLLM has no admin token; its RL routes are open to whoever reaches the port.
 """
@@ -43,7 +46,12 @@ from typing import Any
 import httpx
 
 from asyncgrpo.base.engine_errors import EngineProtocolError, EngineRefused
-from asyncgrpo.inference.client.engine_client import Completion, Continuation, EngineClient
+from asyncgrpo.inference.client.engine_client import (
+    Completion,
+    Continuation,
+    EngineClient,
+    add_prompt_logprobs,
+)
 from asyncgrpo.inference.client.retry import RetryPolicy, send_with_retry
 from asyncgrpo.inference.engine.types import SamplingParams
 from asyncgrpo.inference.vllm.generate_request import GENERATE_PATH, generate_request
@@ -172,13 +180,17 @@ class VLLMClient(EngineClient):
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
+        prompt_logprobs: int | None = None,
+        model: str | None = None,
         timeout: float | None = None,
     ) -> Completion:
         """Sample `n` continuations of a token-id prompt, with one weight version per token.
 
         Stop strings work as on the embedded engine: the sample ends with the token that
         completed one (it stays in `token_ids`), `finish_reason` "stop", `stop_reason` the
-        string. `top_k` 0 (or -1) means no top-k, in both engines."""
+        string. `top_k` 0 (or -1) means no top-k, in both engines. `prompt_logprobs=k` also
+        scores the prompt, as `EngineClient.complete` does. `model`: the served model or a
+        loaded adapter to sample with, in place of the adapter `use_adapter` chose."""
         if seed is not None and not self.send_seed:
             self._warn_seed_dropped()
         params = SamplingParams(
@@ -191,24 +203,31 @@ class VLLMClient(EngineClient):
             stop=list(stop or []),
             stop_token_ids=list(stop_token_ids or []),
             ignore_eos=ignore_eos,
+            prompt_logprobs=prompt_logprobs,
         )
-        adapter = self.adapter
+        adapter = None if model else self.adapter
         body = generate_request(
             prompt_ids,
             params,
             send_seed=self.send_seed,
             weight_label=self.weight_label,
-            model=adapter[0] if adapter else self.model,
+            model=model or (adapter[0] if adapter else self.model),
         )
+        data = await self._generate(body, adapter, timeout)
+        completion = generate_completion(data, prompt_ids)
+        if prompt_logprobs is not None:
+            add_prompt_logprobs(completion, data.get("prompt_logprobs"), prompt_logprobs)
+        return completion if adapter is None else _on_adapter(completion, adapter[1])
+
+    async def _generate(self, body: dict, adapter: tuple[str, int] | None, timeout) -> dict:
+        """POST the generate request, counted among `adapter`'s requests in flight."""
         if adapter is None:
-            data = await self._json("POST", GENERATE_PATH, json=body, timeout=timeout)
-            return generate_completion(data, prompt_ids)
+            return await self._json("POST", GENERATE_PATH, json=body, timeout=timeout)
         self.adapter_requests[adapter[0]] += 1
         try:
-            data = await self._json("POST", GENERATE_PATH, json=body, timeout=timeout)
+            return await self._json("POST", GENERATE_PATH, json=body, timeout=timeout)
         finally:
             self.adapter_requests[adapter[0]] -= 1
-        return _on_adapter(generate_completion(data, prompt_ids), adapter[1])
 
     def _warn_seed_dropped(self) -> None:
         if not self._seed_warned:
@@ -294,12 +313,17 @@ class VLLMClient(EngineClient):
         """Load the peft adapter directory `path` as `adapter_name(version)`; a name already
         loaded (a sync repeated after a failure) is kept. Returns the name."""
         name = adapter_name(version)
+        await self.register_lora_adapter(name, path)
+        return name
+
+    async def register_lora_adapter(self, name: str, path: str) -> None:
+        """Load the peft adapter directory `path` as `name` (what requests then ask for by
+        `model`); a name already loaded is kept."""
         try:
             await self._control("/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
         except EngineRefused as exc:
             if exc.status != 400 or "already been loaded" not in exc.message:
                 raise
-        return name
 
     def use_adapter(self, version: int) -> None:
         """New requests sample with the adapter of `version` (loaded before)."""

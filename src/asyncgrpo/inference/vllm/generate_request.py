@@ -15,7 +15,9 @@ The rules:
   match. `logprobs` is 0 (the sampled token's only) unless alternatives are asked
   for: then one more than asked, because vLLM puts the sampled token first
   whatever its rank (the gateway re-ranks), capped at the server's `max_logprobs`.
-  Empty stop lists are left out.
+  Empty stop lists are left out. `prompt_logprobs` (the prompt's log-probs under the
+  raw model distribution, plus the k most likely tokens) is passed on when asked for:
+  vLLM computes them from the raw logits whatever `--logprobs-mode` says.
 - **Seed.** A seed is sent only to a server on an accelerator (`seeds_are_safe`):
   on a CPU a per-request seed kills vLLM's engine (0.32's CPU backend) as soon as
   that prompt is prefilled in chunks, and a server whose device is unknown counts
@@ -79,6 +81,8 @@ def vllm_sampling_params(
         sampling["stop"] = list(params.stop)
     if params.stop_token_ids:
         sampling["stop_token_ids"] = list(params.stop_token_ids)
+    if params.prompt_logprobs is not None:
+        sampling["prompt_logprobs"] = params.prompt_logprobs
     if params.seed is not None and send_seed:
         sampling["seed"] = params.seed
     return sampling
