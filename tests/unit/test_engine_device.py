@@ -21,7 +21,7 @@ def test_cuda_is_refused_saying_what_exists_and_what_is_missing():
     message = str(refused.value)
     assert "'engine.device': cuda is not available in the embedded engine yet" in message
     assert "paged KV cache with block tables" in message  # what exists
-    assert "the runner is not wired to them" in message  # what is missing
+    assert "nothing has run or been measured on a GPU" in message  # what is missing
     assert "engine.type: vllm" in message  # what to do instead
     with pytest.raises(ValueError, match="not available in the embedded engine yet"):
         EmbeddedEngineConfig(device="cuda")
@@ -34,7 +34,7 @@ def test_the_device_has_its_help_config_line():
     lines = [line for line in describe() if line.startswith("engine.device = ")]
     assert len(lines) == 1
     assert lines[0].startswith("engine.device = 'auto'  # Where the embedded engine keeps")
-    assert "CUDA device once the engine's CUDA path is wired" in lines[0]
+    assert "CUDA device once the engine's CUDA path is measured" in lines[0]
 
 
 def test_a_flat_device_must_say_which_section():

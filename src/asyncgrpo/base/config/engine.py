@@ -150,10 +150,10 @@ class EmbeddedEngineConfig(ServedEngineSettings):
     synchronous run no longer repeats bit for bit."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the embedded engine keeps its weights and KV cache and samples. `auto`: the
-    CPU today; it will take a CUDA device once the engine's CUDA path is wired. `cuda` is
-    refused for now: the paged KV cache, paged attention and CUDA-graph batch buckets it
-    needs exist (`inference/engine/paged/`, tested on the CPU) but the engine does not run
-    on them yet; to sample on GPUs use `engine.type: vllm`."""
+    CPU today; it will take a CUDA device once the engine's CUDA path is measured. `cuda`
+    is refused for now: the engine runs on its paged KV cache (`kv_cache: paged`) and the
+    runner keeps its tensors on the model's device, but nothing has run on a GPU yet and
+    no CUDA graphs are captured; to sample on GPUs use `engine.type: vllm`."""
     kv_cache: Literal["slots", "paged"] = "slots"
     """How the embedded engine lays out its KV cache. `slots`: one contiguous row per
     sequence, the CPU's fastest. `paged`: blocks of 16 positions in block tables, a
@@ -182,11 +182,10 @@ class EmbeddedEngineConfig(ServedEngineSettings):
     def _refuse_cuda_for_now(cls, device: str) -> str:
         if device == "cuda":
             raise ValueError(
-                "cuda is not available in the embedded engine yet: its paged KV cache "
-                "with block tables, paged attention (FlexAttention), CUDA-graph batch "
-                "buckets and weight-handover message exist and are tested on the CPU "
-                "(asyncgrpo.inference.engine.paged), but the runner is not wired to them, "
-                "no CUDA graphs are captured and nothing was measured on a GPU. Use "
+                "cuda is not available in the embedded engine yet: it runs on a paged KV "
+                "cache with block tables (kv_cache: paged) and FlexAttention over the "
+                "blocks, tested on the CPU (asyncgrpo.inference.engine.paged), but no CUDA "
+                "graphs are captured and nothing has run or been measured on a GPU. Use "
                 "device auto or cpu, or engine.type: vllm to sample on GPUs"
             )
         return device
