@@ -152,3 +152,24 @@ def test_flex_attention_over_the_pools_matches_the_gathered_keys(tiny_model_dir)
     assert len(results["flex"]) == 6
     for flex, gather in zip(results["flex"], results["gather"], strict=True):
         torch.testing.assert_close(flex, gather, rtol=0, atol=1e-10)
+
+
+def test_a_decode_padded_to_its_graph_bucket_computes_the_unpadded_logits(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    prompts = [[(5 + 3 * i + j) % 90 + 3 for i in range(BLOCK + 4 + 7 * j)] for j in range(3)]
+    lengths = torch.tensor([len(p) for p in prompts])
+    logits = {}
+    for bucketed in (False, True):
+        runner = PagedModelRunner(model, 4, 128, BLOCK, attention="flex")
+        runner.prefill([0, 1, 2], prompts, [0, 0, 0])
+        steps = []
+        for step in range(3):  # the dummies' writes to the scratch block touch no real row
+            tokens = torch.tensor([7 + step, 8 + step, 9 + step])
+            if bucketed:
+                steps.append(runner.decode_in_bucket(tokens, lengths + step, bucket=8))
+            else:
+                steps.append(runner.decode(tokens, lengths + step))
+        logits[bucketed] = steps
+    for padded, plain in zip(logits[True], logits[False], strict=True):
+        assert padded.shape == plain.shape == (3, model.config.vocab_size)
+        torch.testing.assert_close(padded, plain, rtol=0, atol=1e-12)

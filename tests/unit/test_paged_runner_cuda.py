@@ -129,3 +129,17 @@ def test_seeded_sampling_on_cuda_draws_the_cpus_tokens():
     on_gpu = sample(logits.cuda(), _rows(3000))
     assert on_gpu.tokens == on_cpu.tokens
     torch.testing.assert_close(torch.tensor(on_gpu.logprobs), torch.tensor(on_cpu.logprobs))
+
+
+def test_a_bucketed_decode_on_cuda_computes_the_unpadded_logits():
+    model = _model(torch.float32, "cuda")
+    prompts = [[(5 + 3 * i + j) % 90 + 3 for i in range(BLOCK + 4 + 7 * j)] for j in range(3)]
+    lengths = torch.tensor([len(p) for p in prompts])
+    logits = {}
+    for bucketed in (False, True):
+        runner = PagedModelRunner(model, 4, 256, BLOCK, attention="flex")
+        runner.prefill([0, 1, 2], prompts, [0, 0, 0])
+        tokens = torch.tensor([7, 8, 9])
+        step = runner.decode_in_bucket if bucketed else runner.decode
+        logits[bucketed] = step(tokens, lengths, 8) if bucketed else step(tokens, lengths)
+    torch.testing.assert_close(logits[True].cpu(), logits[False].cpu(), rtol=0, atol=1e-5)

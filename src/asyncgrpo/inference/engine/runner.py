@@ -313,11 +313,15 @@ class ModelRunner:
         Returns float32 logits (B, V) for the next token.
         """
         self._refresh()
-        b = tokens.shape[0]
         step = self._decode_step(tokens, positions)
-        at = positions.to(self.device)
-        h = F.embedding(tokens.to(self.device), self.embed).unsqueeze(1)  # (B, 1, hidden)
-        cos, sin = self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)
+        return self._decode_forward(tokens.to(self.device), positions.to(self.device), step)
+
+    def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
+        """The layers of a decode step, tokens and positions (B,) on the model's device;
+        nothing here reads the host (a paged runner captures it as a CUDA graph)."""
+        b = tokens.shape[0]
+        h = F.embedding(tokens, self.embed).unsqueeze(1)  # (B, 1, hidden)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_input(layer, h, cos, sin)
             # Fold the query heads that share a kv head into the query length.

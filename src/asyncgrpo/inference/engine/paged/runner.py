@@ -46,6 +46,7 @@ from asyncgrpo.inference.engine.paged.attention import (
 from asyncgrpo.inference.engine.paged.attention import decode_attention as paged_decode
 from asyncgrpo.inference.engine.paged.attention import prefill_attention as paged_prefill
 from asyncgrpo.inference.engine.paged.blocks import BlockAllocator
+from asyncgrpo.inference.engine.paged.buckets import pad_decode_batch
 from asyncgrpo.inference.engine.paged.cache import PagedKVCache
 from asyncgrpo.inference.engine.paged.tables import BlockTables, SequenceBlocks
 from asyncgrpo.inference.engine.runner import ModelRunner
@@ -219,6 +220,38 @@ class PagedModelRunner(ModelRunner):
                 self.block_size,
             )
         return step
+
+    @torch.inference_mode()
+    def decode_in_bucket(
+        self, tokens: torch.Tensor, positions: torch.Tensor, bucket: int
+    ) -> torch.Tensor:
+        """`decode`, with the batch padded to `bucket` rows as a CUDA graph of that bucket
+        replays it (buckets.py: the dummies write and read the scratch block); the shapes of
+        everything after the bookkeeping depend on the bucket alone. Flex attention only."""
+        if self.attention != "flex":
+            raise ValueError("a bucketed decode attends with attention='flex'")
+        self._refresh()
+        rows = tokens.shape[0]
+        mapping = []
+        for slot, (token, position) in enumerate(zip(tokens.tolist(), positions.tolist())):
+            mapping += self._extend(slot, position, [token])
+        batch = pad_decode_batch(
+            tokens.to(self.device),
+            positions.to(self.device),
+            torch.tensor(mapping, device=self.device),
+            (positions + 1).to(self.device, torch.int32),
+            self._kernel_table(list(range(rows))),
+            bucket,
+            self.block_size,
+        )
+        flex = PagedDecodeMetadata.build(
+            batch.block_tables,
+            batch.lengths,
+            self.tables.block_positions_tensor(self.device),
+            self.block_size,
+        )
+        step = PagedDecodeStep(batch.slot_mapping, batch.lengths, [], flex=flex)
+        return batch.real(self._decode_forward(batch.token_ids, batch.positions, step))
 
     def _decode_attend(self, i: int, q, k, v, step: PagedDecodeStep) -> torch.Tensor:
         self.cache.write(i, k[:, :, 0], v[:, :, 0], step.slot_mapping)
