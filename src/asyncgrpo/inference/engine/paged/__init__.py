@@ -24,8 +24,9 @@ The pieces:
 - `handover.py`: the JSON message of a CUDA IPC weight handover, its checks against
   the engine's parameters, and the acknowledgement the trainer waits for.
 - `runner.py`: `PagedModelRunner`, the engine's forward over the pools behind the slot
-  runner's interface (a slot is a block table; copying one shares its full blocks),
-  and `prefix.py`: `PagedPrefixCache`, prefix hits shared in place. The engine runs
+  runner's interface (a slot is a block table; copying one shares its full blocks;
+  `decode_in_bucket` pads a decode to its graph bucket and runs the host-free layer
+  body a CUDA graph will capture), and `prefix.py`: `PagedPrefixCache`, prefix hits shared in place. The engine runs
   on them with `engine.kv_cache: paged`; on a CPU they gather each step's keys into
   the slot runner's attention and sample exactly what the slot engine samples.
 
