@@ -7,13 +7,16 @@ owns the environment would write it: the same environment logic and prompts, the
 tool schema (so the engine sees the same tokens), the same chat calls with the same
 sampling, the same reward; none of the adapter's machinery (thread hops for the
 environment's methods, a WebSocket session per episode, verifiers' state and rubric,
-a group scorer). What the adapter costs is the difference.
+a group scorer). What the adapter costs is the difference. The verifiers episode has two
+rewards: the classic example's (`verifiers_rollout`, verifiers 0.3) and its port to
+verifiers 0.4's API (`verifiers_v1_rollout`, `word_budget_v1.py`), the same episode.
 
 Where a native rollout cannot do exactly what the adapter does, stated:
 
 - verifiers: the rubric's group-level term (`shortest_exact_bonus`) needs the whole
   group, which a per-episode rollout does not see; the native reward is `word_budget`
-  alone (the bonus is a comparison of a few numbers: no measurable work).
+  alone (the bonus is a comparison of a few numbers: no measurable work). The 0.4 port
+  has no group term at all.
 - TRL: the two reward columns (`stated_count`, `Warehouse`) become one reward, their sum.
 
 `configure(cfg, ...)` must be called with the run's config before it trains: the rollout
@@ -170,13 +173,30 @@ async def openenv_rollout(task: dict, llm: LLM) -> Result:
     return Result(reward, stop, failures, {"env_steps": steps, "env_done": done})
 
 
-# ---- verifiers: examples/verifiers_word_budget.py's two turns ----
+# ---- verifiers: examples/verifiers_word_budget.py's two turns (and its 0.4 port) ----
 
 
 async def verifiers_rollout(task: dict, llm: LLM) -> Result:
-    """The first reply, the second question, the second reply; reward word_budget."""
+    """The classic example's episode; reward its `word_budget`."""
     from examples.verifiers_word_budget import word_budget
 
+    completion, stop = await _two_turns(task, llm)
+    return Result(word_budget(completion, task["info"]), stop)
+
+
+async def verifiers_v1_rollout(task: dict, llm: LLM) -> Result:
+    """The same episode, rewarded by `word_budget_v1` (its port to verifiers 0.4, where the
+    classic module cannot be imported): the same arithmetic on the replies' texts."""
+    from word_budget_v1 import budget_score
+
+    completion, stop = await _two_turns(task, llm)
+    replies = [m["content"] for m in completion if m["role"] == "assistant"]
+    return Result(budget_score(replies, task["info"]["targets"]), stop)
+
+
+async def _two_turns(task: dict, llm: LLM) -> tuple[list[dict], StopReason]:
+    """The first reply, the second question, the second reply: (the messages after the
+    prompt, how the last call ended)."""
     info = task["info"]
     messages = [dict(m) for m in task["prompt"]]
     stop = StopReason.OK
@@ -195,5 +215,4 @@ async def verifiers_rollout(task: dict, llm: LLM) -> Result:
             stop = _ended(choice)
             if not choice.message.content:  # verifiers stops at an empty reply (an error)
                 break
-    completion = messages[len(task["prompt"]) :]
-    return Result(word_budget(completion, info), stop)
+    return messages[len(task["prompt"]) :], stop

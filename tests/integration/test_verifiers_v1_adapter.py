@@ -275,3 +275,109 @@ def test_the_relay_sends_each_trace_to_its_own_episode_and_refuses_the_rest():
     assert one[1]["path"] == "/e/one/v1/chat/completions" and one[1]["key"] == "Bearer key-one"
     assert unknown[0] == 401
     assert untrainable[0] == 403 and "AgentConfig.client" in untrainable[1]["error"]["message"]
+
+
+def test_the_harness_keeps_one_client_per_endpoint_and_each_call_carries_its_rollouts_secret():
+    import asyncio
+
+    import verifiers.v1 as vf
+    from aiohttp import web
+
+    from asyncgrpo.learning.environments.verifiers_harness import (
+        InProcessChatConfig,
+        InProcessChatHarness,
+        ToolBelt,
+        close_clients,
+        converse,
+    )
+
+    calls = []  # (the secret a call carried, the connection it came on)
+    reply = {
+        "id": "c",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant"}}],
+    }
+
+    async def interception(request):
+        calls.append(
+            (request.headers["Authorization"], request.transport.get_extra_info("peername"))
+        )
+        return web.json_response({**reply, "choices": [{**reply["choices"][0]}]})
+
+    async def two_segments():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", interception)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        endpoint = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+        harness = InProcessChatHarness(InProcessChatConfig(call_timeout_s=30))
+        task = vf.TraceTask(type="T", data=vf.TaskData(prompt="x"))
+        trace = vf.Trace(task=task, agent=vf.AgentInfo(config=vf.AgentConfig()))
+        clients = []
+        for secret in ("rollout-a", "rollout-b"):
+            clients.append(harness.model_client(endpoint))
+            messages = [{"role": "user", "content": "x"}]
+            await converse(clients[-1], "m", messages, ToolBelt(), trace, secret)
+        await close_clients()  # as the env's host does when it stops
+        await runner.cleanup()
+        return clients
+
+    first, second = asyncio.run(two_segments())
+    assert first is second and first.is_closed()
+    assert [secret for secret, _ in calls] == ["Bearer rollout-a", "Bearer rollout-b"]
+    assert calls[0][1] == calls[1][1]  # one connection, kept open between the segments
+
+
+def test_the_relay_streams_a_streamed_answer_through_and_reports_an_unreachable_gateway():
+    import asyncio
+
+    import httpx
+    from aiohttp import web
+
+    from asyncgrpo.learning.agents.rollout_api import LLM
+    from asyncgrpo.learning.environments.verifiers_v1_host import Relay
+
+    events = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
+
+    async def gateway(request):  # a streamed chat completion, event by event
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        for event in events:
+            await reply.write(event)
+            await asyncio.sleep(0.01)
+        await reply.write_eof()
+        return reply
+
+    async def exchange():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", gateway)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: nothing answers there
+        relay = Relay()
+        async with relay.serving(), httpx.AsyncClient() as http:
+            relay.routes["live"] = LLM(f"http://127.0.0.1:{sock.getsockname()[1]}/v1", "k", "m")
+            relay.routes["gone"] = LLM(f"http://127.0.0.1:{closed.getsockname()[1]}/v1", "k", "m")
+            url = f"{relay.url}/chat/completions"
+            async with http.stream(
+                "POST", url, json={"stream": True}, headers={"X-Session-ID": "live"}
+            ) as streamed:
+                kind = streamed.headers["content-type"]
+                chunks = [chunk async for chunk in streamed.aiter_bytes()]
+            gone = await http.post(url, json={}, headers={"X-Session-ID": "gone"})
+        closed.close()
+        await runner.cleanup()
+        return kind, b"".join(chunks), gone.status_code
+
+    kind, body, gone = asyncio.run(exchange())
+    assert kind.startswith("text/event-stream") and body == b"".join(events)
+    assert gone == 503

@@ -12,8 +12,13 @@ and its turns are recorded by verifiers (trace, `@stop`s, limits) and by the epi
 (the engine's tokens) alike.
 
 The loop: the system prompt and the task's prompt (a string, or messages), the taskset's
-MCP tools (the MCP SDK's client, no TLS context for loopback servers); each reply's tool calls run one after the
-other and come back as tool messages; a reply without a call ends the segment. A refused
+MCP tools (the MCP SDK's client, no TLS context for loopback servers); each reply's tool
+calls run one after the other and come back as tool messages; a reply without a call ends
+the segment. The model calls go through one OpenAI client per interception endpoint on the
+environment's loop, kept across segments and episodes (`model_client`: its connections
+stay open, and a client costs no construction per segment); each call carries its own
+rollout's secret, which is how the interception server tells rollouts apart. The env's host
+closes them as it stops (`close_clients`). A refused
 turn (a `@stop`, `max_turns`) ends it too, as it ends verifiers' loop. The model's mistakes
 (arguments that are not a JSON object, an unknown tool, a tool that reports an error) are
 error tool messages it reads, counted in `trace.info["tool_failures"]`; a tool server that
@@ -30,9 +35,11 @@ makes this module importable as `asyncgrpo_chat`, the module of the id `asyncgrp
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sys
+import weakref
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -43,10 +50,13 @@ from pydantic import Field
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harnesses.utils.mcp import mcp_content_to_chat_content
 
-__all__ = ["HARNESS_ID", "InProcessChatConfig", "InProcessChatHarness", "register"]
+__all__ = ["HARNESS_ID", "InProcessChatConfig", "InProcessChatHarness", "close_clients", "register"]
 
 HARNESS_ID = "asyncgrpo-chat"
 MODULE_NAME = "asyncgrpo_chat"  # the module verifiers imports for HARNESS_ID
+# the model clients of each event loop, by (endpoint, call deadline, retries)
+_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, openai.AsyncOpenAI]]
+_CLIENTS = weakref.WeakKeyDictionary()
 
 
 def register() -> None:
@@ -83,20 +93,11 @@ class InProcessChatHarness(vf.Harness[InProcessChatConfig]):
     ) -> vf.ProgramResult:
         system_prompt, prompt = self.resolve_prompt(data)
         messages = opening_messages(system_prompt, prompt)
-        client = openai.AsyncOpenAI(
-            base_url=endpoint,
-            api_key=secret,
-            max_retries=self.config.max_retries,
-            http_client=httpx.AsyncClient(
-                timeout=httpx.Timeout(self.config.call_timeout_s, connect=30.0),
-                verify=not endpoint.startswith("http://"),  # no TLS context for loopback
-            ),
-        )
+        client = self.model_client(endpoint)
         async with AsyncExitStack() as stack:
-            stack.push_async_callback(client.close)
             tools = await ToolBelt.connect(mcp_urls, self.config.tool_timeout, stack)
             try:
-                await converse(client, ctx.model, messages, tools, trace)
+                await converse(client, ctx.model, messages, tools, trace, secret)
             except openai.APIStatusError as exc:
                 if context_exhausted(exc):
                     return vf.ProgramResult(0, "", "")  # the context is full: the segment ends
@@ -104,6 +105,28 @@ class InProcessChatHarness(vf.Harness[InProcessChatConfig]):
                 # verifiers kept (the rollout records that one rather than this exit)
                 return vf.ProgramResult(1, "", f"{type(exc).__name__}: {exc}")
         return vf.ProgramResult(0, "", "")
+
+    def model_client(self, endpoint: str) -> openai.AsyncOpenAI:
+        """The running loop's OpenAI client of `endpoint` (see the module docstring)."""
+        clients = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
+        key = (endpoint, self.config.call_timeout_s, self.config.max_retries)
+        if key not in clients:
+            clients[key] = openai.AsyncOpenAI(
+                base_url=endpoint,
+                api_key="per-call",  # each call sends its rollout's secret (`converse`)
+                max_retries=self.config.max_retries,
+                timeout=httpx.Timeout(self.config.call_timeout_s, connect=30.0),
+                http_client=openai.DefaultAsyncHttpxClient(
+                    verify=not endpoint.startswith("http://")  # no TLS context for loopback
+                ),
+            )
+        return clients[key]
+
+
+async def close_clients() -> None:
+    """Close the running loop's model clients (`model_client`)."""
+    for client in _CLIENTS.pop(asyncio.get_running_loop(), {}).values():
+        await client.close()
 
 
 def opening_messages(system_prompt: str | None, prompt: Any) -> list[dict[str, Any]]:
@@ -132,9 +155,13 @@ async def converse(
     messages: list[dict[str, Any]],
     tools: ToolBelt,
     trace: vf.Trace,
+    secret: str,
 ) -> None:
-    """Reply, run the reply's tool calls, repeat, until a reply calls no tool."""
-    extra = {"tools": tools.schemas} if tools.schemas else {}
+    """Reply, run the reply's tool calls, repeat, until a reply calls no tool; every call
+    authenticated by the rollout's `secret`."""
+    extra: dict[str, Any] = {"extra_headers": {"Authorization": f"Bearer {secret}"}}
+    if tools.schemas:
+        extra["tools"] = tools.schemas
     while True:
         completion = await client.chat.completions.create(model=model, messages=messages, **extra)
         message = completion.choices[0].message

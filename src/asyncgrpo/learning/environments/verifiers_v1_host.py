@@ -5,7 +5,8 @@ A 0.4 `Env` serves its episodes from resources it holds for a whole evaluation
 taskset's shared MCP tool servers). `EnvHost` holds them on an event loop of its own thread
 for the run, so nothing of verifiers (aiohttp servers, AnyIO scopes, tool processes) runs on
 asyncgrpo's rollout loop; an episode is submitted there and awaited, and cancelling the
-wait cancels the episode. `close` leaves `serving()` (tool servers stop) and the thread.
+wait cancels the episode. `close` leaves `serving()` (tool servers stop), closes the
+in-process harness's model clients of that loop, and stops the thread.
 
 The relay. verifiers' interception forwards each model call to the endpoint of the run's
 client config, building one HTTP client per distinct config for as long as it serves. Every
@@ -32,8 +33,6 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
-
 from asyncgrpo.base.loop_thread import LoopThread
 from asyncgrpo.learning.agents.rollout_api import LLM
 
@@ -55,11 +54,12 @@ class Relay:
         self.routes: dict[str, LLM | None] = {}  # trace id -> its gateway (None: untrainable)
         self.url = ""
         self._warned = False
-        self._http: httpx.AsyncClient | None = None
+        self._http: Any = None  # the aiohttp client session to the gateways, while serving
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[Relay]:
-        from aiohttp import web  # verifiers 0.4's own server library
+        import aiohttp  # verifiers 0.4's own HTTP library: its server, and a lighter client
+        from aiohttp import web
 
         app = web.Application(client_max_size=1024**3)
         app.router.add_post("/v1/{tail:.*}", self._forward)
@@ -68,9 +68,9 @@ class Relay:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         site = web.SockSite(runner, sock)
-        timeout = httpx.Timeout(None, connect=30.0)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0)
+        connector = aiohttp.TCPConnector(limit=0)  # as many connections as calls in flight
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
             self._http = http
             try:
                 await site.start()
@@ -81,6 +81,7 @@ class Relay:
                 self._http = None
 
     async def _forward(self, request: Any) -> Any:
+        import aiohttp
         from aiohttp import web
 
         trace_id = request.headers.get(SESSION_HEADER, "")
@@ -95,29 +96,31 @@ class Relay:
         headers = {"Authorization": f"Bearer {llm.api_key}", "Content-Type": "application/json"}
         headers.update({k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers})
         target = f"{llm.base_url.rstrip('/')}/{request.match_info['tail']}"
-        upstream_request = self._http.build_request(
-            "POST", target, content=await request.read(), headers=headers
-        )
         try:
-            upstream = await self._http.send(upstream_request, stream=True)
-        except httpx.TimeoutException as exc:
-            return web.json_response({"error": {"message": str(exc)}}, status=504)
-        except httpx.HTTPError as exc:
-            return web.json_response({"error": {"message": str(exc)}}, status=503)
-        try:
-            kind = upstream.headers.get("content-type", "application/json")
-            if not kind.startswith("text/event-stream"):
-                body = await upstream.aread()
-                return web.Response(body=body, status=upstream.status_code, content_type=None,
-                                    headers={"Content-Type": kind})  # fmt: skip
-            reply = web.StreamResponse(status=upstream.status_code, headers={"Content-Type": kind})
-            await reply.prepare(request)
-            async for chunk in upstream.aiter_raw():
-                await reply.write(chunk)
-            await reply.write_eof()
-            return reply
-        finally:
-            await upstream.aclose()
+            upstream = await self._http.post(target, data=await request.read(), headers=headers)
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            return web.json_response({"error": {"message": repr(exc)}}, status=504)
+        except aiohttp.ClientError as exc:
+            return web.json_response({"error": {"message": repr(exc)}}, status=503)
+        async with upstream:  # released (its connection reused) once answered
+            return await self._answer(request, upstream)
+
+    @staticmethod
+    async def _answer(request: Any, upstream: Any) -> Any:
+        """The gateway's answer, as it came (a stream streams through)."""
+        from aiohttp import web
+
+        kind = upstream.headers.get("Content-Type", "application/json")
+        if not kind.startswith("text/event-stream"):
+            body = await upstream.read()
+            return web.Response(body=body, status=upstream.status, content_type=None,
+                                headers={"Content-Type": kind})  # fmt: skip
+        reply = web.StreamResponse(status=upstream.status, headers={"Content-Type": kind})
+        await reply.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await reply.write(chunk)
+        await reply.write_eof()
+        return reply
 
 
 class EnvHost:
@@ -140,6 +143,8 @@ class EnvHost:
             raise
 
     async def _hold(self, ready: concurrent.futures.Future) -> None:
+        from asyncgrpo.learning.environments.verifiers_harness import close_clients
+
         self._stop = asyncio.Event()
         try:
             async with self.relay.serving(), self.env.serving():
@@ -149,6 +154,8 @@ class EnvHost:
             if not ready.done():
                 ready.set_exception(exc)
             raise
+        finally:
+            await close_clients()  # the harness's model clients on this loop
 
     async def episode(self, task: Any, llm: LLM) -> Any:
         """One verifiers episode of `task` against `llm`'s gateway (awaited from any loop)."""
