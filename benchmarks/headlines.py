@@ -103,9 +103,13 @@ def end_to_end(figures: dict) -> dict:
 
 
 def environment_overhead(figures: dict) -> dict:
-    return {
-        f"{shape} overhead %": percent(s["overhead"]) for shape, s in figures["summary"].items()
-    }
+    out = {}
+    for shape, s in figures["summary"].items():
+        out[f"{shape} overhead %"] = percent(s["overhead"])
+        for key, label in (("", "per sampled token"), ("cpu_", "CPU per sampled token")):
+            if s.get(f"{key}overhead_per_sampled_token") is not None:
+                out[f"{shape} {label} %"] = percent(s[f"{key}overhead_per_sampled_token"])
+    return out
 
 
 def head_passes(figures: dict) -> dict:
@@ -188,6 +192,26 @@ def tinker_overhead(figures: dict) -> dict:
     }
 
 
+def tinker_offload(figures: dict) -> dict:
+    s = figures["summary"]
+    out = {}
+    for call in ("forward_backward", "sample"):
+        out[f"{call} reloaded / resident (< 2)"] = round(s[call]["median_ratio"], 2)
+        out[f"{call} extra s"] = sig(s[call]["median_extra_s"], 3)
+    return out
+
+
+def request_log_cost(figures: dict) -> dict:
+    out = {}
+    for arm, s in figures["summary"]["arms"].items():
+        if "median_ratio" in s:
+            target = "" if arm == "control" else " (>= 0.98)"
+            out[f"{arm} / off tokens/s{target}"] = round(s["median_ratio"], 3)
+        if s.get("line_share_of_request_cpu") is not None:
+            out[f"{arm} line % of request CPU"] = round(100 * s["line_share_of_request_cpu"], 3)
+    return out
+
+
 def train_step_packing(figures: dict) -> dict:
     return {f"{r['variant']} tokens/s": sig(r["tokens_per_s"]) for r in figures["results"]}
 
@@ -214,8 +238,10 @@ PICKS = {
         lora_apply,
         plan_against_runs,
         ray_launcher,
+        request_log_cost,
         server_load,
         staleness_study,
+        tinker_offload,
         tinker_overhead,
         train_step_packing,
         trainer_speed,

@@ -51,10 +51,14 @@ KEY = "tml-benchmark"
 PHASES = ("sample_s", "forward_backward_s", "optim_step_s", "step_s")
 
 
-def start_server(args, state_dir: Path):
+def start_server(args, state_dir: Path, max_resident_models: int | None = None):
+    """tinker-serve's app over `args.model` under uvicorn on a thread, once it answers:
+    the service, the uvicorn server and its URL."""
     model_dir = resolve_model(args.model)
     engine = EmbeddedEngineConfig(model=str(model_dir), num_threads=args.engine_threads)
-    service = build_service(args.model, model_dir, engine, state_dir)
+    service = build_service(
+        args.model, model_dir, engine, state_dir, max_resident_models=max_resident_models
+    )
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(service, KEY), port=port, log_level="error"))
     threading.Thread(target=server.run, daemon=True).start()

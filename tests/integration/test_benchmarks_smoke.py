@@ -4,11 +4,12 @@ These are smoke tests, not measurements: they run a script as its README shows i
 flags that shrink it to seconds, and check what it wrote, so that a benchmark cannot rot
 unseen (as `trl_baseline.py` did when a helper it imported moved). Each script's result
 file goes to the test's own folder (`ASYNCGRPO_RESULTS_DIR`), never among the recorded
-results in `benchmarks/results/`. The vLLM systems run
-in `tests/vllm/test_benchmarks_vllm.py` (`make test-vllm`), the Ray launchers and the
-2-rank trainers in the tests below marked `ray` and `heavy`. `vllm_env.sh` is the
-installer `make test-vllm` runs; `gpu_check.sh` needs a CUDA GPU (it runs on a machine
-with one, and its steps are the scripts tested here).
+results in `benchmarks/results/`. The vLLM systems run in
+`tests/vllm/test_benchmarks_vllm.py` (`make test-vllm`), the environment overhead
+benchmark's verifiers 0.4 case in `test_verifiers_v1_benchmark.py` (`make test-verifiers`),
+the Ray launchers and the 2-rank trainers in the tests below marked `ray` and `heavy`.
+`vllm_env.sh` is the installer `make test-vllm` runs; `gpu_check.sh` needs a CUDA GPU (it
+runs on a machine with one, and its steps are the scripts tested here).
 """
 
 from __future__ import annotations
@@ -126,6 +127,20 @@ def test_server_load(tmp_path):
     # the server's 1 s header timeout closed the idle connections within the 3 s hold
     assert summary["idle"]["ends"] == {"closed by server": 2}
     assert (tmp_path / "server_load.log").exists()
+
+
+def test_request_log_cost(tmp_path, results_dir):
+    out = tmp_path / "log_cost.json"
+    run_benchmark_here(
+        "request_log_cost.py",
+        *("--tiny", "--arms", "off,text", "--rounds", "1", "--warmup", "0"),
+        *("--clients", "3", "--max-tokens", "2", "--out", str(out)),
+    )
+    summary = read_json(out)["summary"]
+    # one line per client request (and per /health probe) with the log on, none off
+    assert summary["request_lines"]["off"] == 0 and summary["request_lines"]["text"] >= 3
+    assert summary["arms"]["text"]["median_ratio"] > 0
+    assert result_file(results_dir, "request_log_cost")["headline"]
 
 
 def test_base_rate(tmp_path, tiny_model_dir, results_dir):

@@ -47,6 +47,7 @@ MODULE_SECONDS = {
     "test_replicas_vllm.py": 224,
     "test_gateway_vllm.py": 193,
     "test_benchmarks_vllm.py": 175,
+    "test_tinker_vllm.py": 110,
     "test_nccl_gpu.py": 0,  # skips without two CUDA devices
 }
 NEW_MODULE_SECONDS = 150  # a module not measured yet
