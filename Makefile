@@ -111,7 +111,8 @@ test-postgres: $(STAMP)
 # cannot share; CPU torch first, as above; hatchling, the build backend `vf-init` packages
 # use, so `pip install ./my_env` works offline) and runs the tests of
 # tests/integration/test_verifiers_v1_*.py, which skip where that environment is missing
-# (1 to 5 minutes on 2 shared cores; the slow one, test_verifiers_v1_train.py, with `-m slow`).
+# (2 to 7 minutes on 2 shared cores, the environment overhead benchmark's 0.4 case among them;
+# the slow one, test_verifiers_v1_train.py, with `-m slow`).
 VERIFIERS_VENV := .venv-verifiers
 $(VERIFIERS_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VERIFIERS_VENV)
@@ -125,7 +126,8 @@ verifiers-venv: $(VERIFIERS_VENV)/.installed
 
 test-verifiers: $(VERIFIERS_VENV)/.installed
 	timeout 1200 $(VERIFIERS_VENV)/bin/python -m pytest -q -m 'not slow' \
-		tests/integration/test_verifiers_v1_adapter.py tests/integration/test_verifiers_v1_env.py
+		tests/integration/test_verifiers_v1_adapter.py tests/integration/test_verifiers_v1_env.py \
+		tests/integration/test_verifiers_v1_benchmark.py
 
 # The trainer on a CUDA GPU (trainer.device, FSDP2 over NCCL, a CLI run) and the paged KV
 # cache, paged attention and weight handover the CUDA engine is built from: tests marked `gpu`,
