@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from child_processes import children as child_pids
 from safetensors.torch import load_file
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -329,26 +330,13 @@ def checkpoint_step(run_dir: Path) -> int:
     return json.loads(state.read_text())["step"] if state.exists() else -1
 
 
-def descendants(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
 @pytest.mark.heavy
 def test_sigterm_checkpoints_and_exits_quickly(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path, tiny_model_dir, "term", max_steps=1000)
     run_dir, log = tmp_path / "term", tmp_path / "term.log"
     proc = start_cli(str(recipe), log=log)
     wait_for(lambda: checkpoint_step(run_dir) >= 2, 240, proc, log)
-    children = descendants(proc.pid)
+    children = child_pids(proc.pid)
     assert children, "the engine child process was not found"
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -370,7 +358,7 @@ def test_kill_9_then_resume_continues_from_the_checkpoint(tmp_path, tiny_model_d
     run_dir, log = tmp_path / "crash", tmp_path / "crash.log"
     proc = start_cli(str(recipe), log=log)
     wait_for(lambda: checkpoint_step(run_dir) >= 4, 240, proc, log)
-    children = descendants(proc.pid)
+    children = child_pids(proc.pid)
     proc.kill()
     proc.wait()
     saved = checkpoint_step(run_dir)

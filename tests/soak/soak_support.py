@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from child_processes import children
+
 MiB = 1024 * 1024
 
 
@@ -100,21 +102,6 @@ def slope(points: list[tuple[float, float]]) -> float:
     if var == 0:
         return 0.0
     return sum((x - mean_x) * (y - mean_y) for x, y in points) / var
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry.name))
-    return out
 
 
 def process_tree(pid: int) -> list[int]:

@@ -180,6 +180,13 @@ class PagedModelRunner(ModelRunner):
         self.tables.append(slot, tokens)
         return self.tables.slot_mapping(slot, start, start + len(tokens))
 
+    def _append_decoded(self, tokens: torch.Tensor, positions: torch.Tensor) -> list[int]:
+        """Room for each decode row's new token (slots 0..B-1); their pool slots."""
+        mapping = []
+        for slot, (token, position) in enumerate(zip(tokens.tolist(), positions.tolist())):
+            mapping += self._extend(slot, position, [token])
+        return mapping
+
     def _gather_index(self, slots: list[int], key_len: int) -> torch.Tensor:
         """(R, key_len) pool slots of each slot's positions 0..key_len-1; positions past
         a slot's blocks read the scratch block (their attention weight is zero)."""
@@ -203,15 +210,14 @@ class PagedModelRunner(ModelRunner):
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> PagedDecodeStep:
         spans = decode_spans(positions, self.max_model_len)
-        self.ensure_capacity(max(s.key_len for s in spans))
-        mapping = []
-        for slot, (token, position) in enumerate(zip(tokens.tolist(), positions.tolist())):
-            mapping += self._extend(slot, position, [token])
+        key_len = max(s.key_len for s in spans)
+        self.ensure_capacity(key_len)
+        mapping = self._append_decoded(tokens, positions)
         rows = list(range(len(mapping)))
         lengths = (positions + 1).to(self.device)
         step = PagedDecodeStep(torch.tensor(mapping, device=self.device), lengths, spans)
         if self.attention == "gather":
-            step.gather = self._gather_index(rows, max(s.key_len for s in spans))
+            step.gather = self._gather_index(rows, key_len)
         else:
             step.flex = PagedDecodeMetadata.build(
                 self._kernel_table(rows),
@@ -232,9 +238,7 @@ class PagedModelRunner(ModelRunner):
             raise ValueError("a bucketed decode attends with attention='flex'")
         self._refresh()
         rows = tokens.shape[0]
-        mapping = []
-        for slot, (token, position) in enumerate(zip(tokens.tolist(), positions.tolist())):
-            mapping += self._extend(slot, position, [token])
+        mapping = self._append_decoded(tokens, positions)
         batch = pad_decode_batch(
             tokens.to(self.device),
             positions.to(self.device),
