@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from child_processes import children as child_pids
+from child_processes import children as descendants  # test_data_parallel imports it here
 from safetensors.torch import load_file
 
 from asyncgrpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -336,7 +336,7 @@ def test_sigterm_checkpoints_and_exits_quickly(tmp_path, tiny_model_dir):
     run_dir, log = tmp_path / "term", tmp_path / "term.log"
     proc = start_cli(str(recipe), log=log)
     wait_for(lambda: checkpoint_step(run_dir) >= 2, 240, proc, log)
-    children = child_pids(proc.pid)
+    children = descendants(proc.pid)
     assert children, "the engine child process was not found"
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -358,7 +358,7 @@ def test_kill_9_then_resume_continues_from_the_checkpoint(tmp_path, tiny_model_d
     run_dir, log = tmp_path / "crash", tmp_path / "crash.log"
     proc = start_cli(str(recipe), log=log)
     wait_for(lambda: checkpoint_step(run_dir) >= 4, 240, proc, log)
-    children = child_pids(proc.pid)
+    children = descendants(proc.pid)
     proc.kill()
     proc.wait()
     saved = checkpoint_step(run_dir)
