@@ -141,11 +141,13 @@ test-verifiers: $(VERIFIERS_VENV)/.installed
 		tests/integration/test_verifiers_v1_adapter.py tests/integration/test_verifiers_v1_env.py \
 		tests/integration/test_verifiers_v1_benchmark.py
 
-# The trainer on a CUDA GPU (trainer.device, FSDP2 over NCCL, a CLI run) and the paged KV
-# cache, paged attention and weight handover the CUDA engine is built from: tests marked `gpu`,
-# skipped where torch sees no GPU. Needs a CUDA build of torch in .venv (not the CPU pin).
+# The trainer on a CUDA GPU (trainer.device, FSDP2 over NCCL, a CLI run), the paged KV
+# cache, paged attention and weight handover the CUDA engine is built from, its runner, and
+# the whole engine on `engine.device: cuda`: tests marked `gpu`, skipped where torch sees no
+# GPU. Needs a CUDA build of torch in .venv (not the CPU pin).
 test-gpu: $(STAMP)
-	$(BIN)/python -m pytest -q -m gpu tests/integration/test_cuda_trainer.py tests/unit/test_paged_cuda.py
+	$(BIN)/python -m pytest -q -m gpu tests/integration/test_cuda_trainer.py tests/unit/test_paged_cuda.py \
+		tests/unit/test_paged_runner_cuda.py tests/unit/test_engine_cuda.py
 
 # ruff, then the import layers of pyproject.toml's [tool.importlinter] (this checkout's src,
 # whichever checkout the venv was installed from), then tools/check_words.py: comments and

@@ -112,6 +112,20 @@ def environment_overhead(figures: dict) -> dict:
     return out
 
 
+def gpu_engine(figures: dict) -> dict:
+    out = {"shape": figures["shape"], "device": figures["device"]}
+    for r in figures["results"]:
+        if r["system"] == "embedded" and "tok_s" in r:
+            out[f"embedded {r['workload']} tok/s"] = sig(r["tok_s"])
+    for workload, pairs in sorted(figures["ratios"].items()):
+        for pair, ratio in pairs.items():
+            if ratio is not None:
+                out[f"{workload} {pair}"] = round(ratio, 2)
+    for row in (figures.get("limit") or {}).get("batches", []):
+        out[f"decode batch {row['batch']} step / limit"] = round(row["ratio"], 1)
+    return out
+
+
 def head_passes(figures: dict) -> dict:
     eager, fused = figures["rows"]["eager"]["total_s"], figures["rows"]["fused"]["total_s"]
     return {"eager s": sig(eager), "fused s": sig(fused), "eager / fused": round(eager / fused, 2)}
@@ -201,6 +215,15 @@ def tinker_offload(figures: dict) -> dict:
     return out
 
 
+def tinker_session_memory(figures: dict) -> dict:
+    out = {}
+    for who in ("server", "engine"):
+        s = figures[who]
+        out[f"{who} MiB per abandoned session"] = sig(s["mib_per_session"], 2)
+        out[f"{who} 95% interval"] = f"[{s['low']:+.3f}, {s['high']:+.3f}]"
+    return out
+
+
 def request_log_cost(figures: dict) -> dict:
     out = {}
     for arm, s in figures["summary"]["arms"].items():
@@ -233,6 +256,7 @@ PICKS = {
         end_to_end,
         engine_throughput,
         environment_overhead,
+        gpu_engine,
         head_passes,
         lora,
         lora_apply,
@@ -243,6 +267,7 @@ PICKS = {
         staleness_study,
         tinker_offload,
         tinker_overhead,
+        tinker_session_memory,
         train_step_packing,
         trainer_speed,
     )

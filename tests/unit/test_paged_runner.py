@@ -1,5 +1,6 @@
 """The engine on a paged KV cache (`engine.kv_cache: paged`): the same tokens and log-probs
-as the slot cache, bit for bit, and blocks shared instead of copied."""
+as the slot cache, bit for bit (FlexAttention's: the same tokens), and blocks shared
+instead of copied."""
 
 import asyncio
 
@@ -42,13 +43,15 @@ def _workload(tokenizer):
     return system, jobs
 
 
-def _run(model_dir, kv_cache: str):
+def _run(model_dir, kv_cache: str, attention: str = "auto"):
     config = EmbeddedEngineConfig(
         model=str(model_dir), dtype="float32", max_num_seqs=8, prefill_chunk_size=32,
-        kv_cache=kv_cache,
+        kv_cache=kv_cache, paged_attention=attention,
     )  # fmt: skip
     engine = Engine(config)
     assert isinstance(engine.runner, PagedModelRunner) == (kv_cache == "paged")
+    if kv_cache == "paged":
+        assert engine.runner.attention == ("gather" if attention == "auto" else attention)
     engine.start()
     try:
         system, jobs = _workload(engine.tokenizer)
@@ -73,6 +76,22 @@ def test_paged_engine_samples_exactly_what_the_slot_engine_samples(tiny_model_di
     assert any("prompt" in sample for result in paged for sample in result)
     assert paged_stats["cached_prompt_tokens"] >= 4 * 3 * BLOCK  # four asks hit the system
     assert paged_stats["cached_prompt_tokens"] == slot_stats["cached_prompt_tokens"]
+
+
+def test_the_engine_over_flex_attention_samples_the_slot_engines_tokens(tiny_model_dir):
+    """The CUDA engine's attention (`paged_attention: flex`, eager on a CPU) over the same
+    workload: the same tokens, log-probs equal up to float32 rounding (the keys are summed
+    in another order than the gathered ones)."""
+    slots, _ = _run(tiny_model_dir, "slots")
+    flex, stats = _run(tiny_model_dir, "paged", "flex")
+    assert stats["cached_prompt_tokens"] >= 4 * 3 * BLOCK  # shared prefixes read in place
+    for got, want in zip(flex, slots, strict=True):
+        assert [s["ids"] for s in got] == [s["ids"] for s in want]
+        assert [s["finish"] for s in got] == [s["finish"] for s in want]
+        for mine, theirs in zip(got, want, strict=True):
+            torch.testing.assert_close(mine["lps"], theirs["lps"], rtol=0, atol=1e-4)
+            if "prompt" in theirs:
+                torch.testing.assert_close(mine["prompt"], theirs["prompt"], rtol=0, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

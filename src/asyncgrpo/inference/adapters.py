@@ -186,7 +186,8 @@ class AdapterMerge:
             if base is None:
                 live = self.weights[pair.base_name].detach()
                 base = self.bases[pair.base_name] = live.to(self.dtype, copy=True)
-            merged = torch.addmm(base.float(), pair.b.float(), pair.a.float())  # (out, in)
+            b, a = (t.to(base.device, torch.float32) for t in (pair.b, pair.a))  # base's device
+            merged = torch.addmm(base.float(), b, a)  # (out, in)
             writes.append((pair.base_name, merged))
             targeted.add(pair.base_name)
         writes += [(name, base) for name, base in self.bases.items() if name not in targeted]

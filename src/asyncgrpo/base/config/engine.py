@@ -13,6 +13,7 @@ it with the same class, so the three places agree on one set of defaults.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
@@ -21,6 +22,8 @@ from asyncgrpo.base.config.base import Section
 from asyncgrpo.base.ports import is_loopback
 
 Precision = Literal["auto", "bfloat16", "float32"]
+EXPERIMENTAL_CUDA_ENV = "ASYNCGRPO_EXPERIMENTAL_CUDA_ENGINE"
+"""Set to 1 to let `engine.device: cuda` through: unmeasured; for the GPU checks."""
 
 
 class EngineSettings(Section):
@@ -140,9 +143,10 @@ class EmbeddedEngineConfig(ServedEngineSettings):
     type: Literal["embedded"] = "embedded"
     """`embedded`: start `asyncgrpo serve` as a child process (see `engine.type`)."""
     compute_dtype: Precision = "auto"
-    """Arithmetic precision. `auto`: `dtype` where the CPU has native bf16 instructions,
-    float32 otherwise (bf16 matmuls are emulated, about 3x slower, on AVX2-only CPUs); a
-    bf16 model computed in fp32 samples from the same weights with less rounding."""
+    """Arithmetic precision. `auto`: `dtype` on cuda and where the CPU has native bf16
+    instructions, float32 otherwise (bf16 matmuls are emulated, about 3x slower, on
+    AVX2-only CPUs); a bf16 model computed in fp32 samples from the same weights with less
+    rounding."""
     num_threads: int | None = Field(1, ge=1)
     """torch threads of the embedded engine process (None: torch's choice). One by default:
     on a laptop the trainer needs the other cores. With more, a request's last bits depend
@@ -151,15 +155,24 @@ class EmbeddedEngineConfig(ServedEngineSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the embedded engine keeps its weights and KV cache and samples. `auto`: the
     CPU today; it will take a CUDA device once the engine's CUDA path is measured. `cuda`
-    is refused for now: the engine runs on its paged KV cache (`kv_cache: paged`) and the
-    runner keeps its tensors on the model's device, but nothing has run on a GPU yet and
-    no CUDA graphs are captured; to sample on GPUs use `engine.type: vllm`."""
-    kv_cache: Literal["slots", "paged"] = "slots"
+    is experimental and refused unless the environment sets
+    `ASYNCGRPO_EXPERIMENTAL_CUDA_ENGINE=1` (unmeasured; for the GPU checks): the model is
+    loaded onto the GPU in `dtype`, the KV cache is paged (`kv_cache`) and attended with
+    FlexAttention (`paged_attention`), no CUDA graphs are captured yet. To sample on GPUs
+    use `engine.type: vllm`."""
+    kv_cache: Literal["auto", "slots", "paged"] = "auto"
     """How the embedded engine lays out its KV cache. `slots`: one contiguous row per
     sequence, the CPU's fastest. `paged`: blocks of 16 positions in block tables, a
     prompt's cached prefix and a group's shared prompt held once, not copied (the layout
     the CUDA engine uses); on a CPU it computes the same tokens and log-probs as `slots`,
-    bit for bit, at the cost of gathering each step's keys."""
+    bit for bit, at the cost of gathering each step's keys. `auto`: `slots` on the CPU,
+    `paged` on cuda; `slots` on cuda is refused (its rows and prefix pool are CPU memory)."""
+    paged_attention: Literal["auto", "gather", "flex"] = "auto"
+    """How a paged KV cache is attended. `gather`: each step copies the keys it reads into
+    the slot engine's dense layout (the slot engine's tokens, bit for bit). `flex`:
+    FlexAttention over the blocks themselves, nothing copied; compiled on cuda, run eagerly
+    on a CPU (the same tokens as `gather` up to rounding). `auto`: `gather` on the CPU,
+    `flex` on cuda. Only with a paged cache."""
     max_num_seqs: int = Field(64, ge=1)
     """Sequences the embedded engine decodes together (KV-cache slots)."""
     prefix_cache_tokens: int = Field(4096, ge=0)
@@ -179,14 +192,15 @@ class EmbeddedEngineConfig(ServedEngineSettings):
 
     @field_validator("device")
     @classmethod
-    def _refuse_cuda_for_now(cls, device: str) -> str:
-        if device == "cuda":
+    def _refuse_cuda_unless_experimental(cls, device: str) -> str:
+        if device == "cuda" and os.environ.get(EXPERIMENTAL_CUDA_ENV) != "1":
             raise ValueError(
                 "cuda is not available in the embedded engine yet: it runs on a paged KV "
                 "cache with block tables (kv_cache: paged) and FlexAttention over the "
                 "blocks, tested on the CPU (asyncgrpo.inference.engine.paged), but no CUDA "
                 "graphs are captured and nothing has run or been measured on a GPU. Use "
-                "device auto or cpu, or engine.type: vllm to sample on GPUs"
+                "device auto or cpu, or engine.type: vllm to sample on GPUs "
+                f"({EXPERIMENTAL_CUDA_ENV}=1 lets it through: unmeasured; for the GPU checks)"
             )
         return device
 
@@ -195,17 +209,47 @@ class EmbeddedEngineConfig(ServedEngineSettings):
         self._refuse_transport("nccl", "only with type vllm (on GPUs)")
         return self
 
+    @model_validator(mode="after")
+    def _check_kv_layout(self) -> EmbeddedEngineConfig:
+        if self.kv_cache == "slots" and self.resolved_device() == "cuda":
+            raise ValueError(
+                "kv_cache slots with device cuda: the slot cache keeps its rows and prefix "
+                "pool in CPU memory; use kv_cache paged (or auto) on cuda"
+            )
+        if self.paged_attention != "auto" and self.resolved_kv_cache() != "paged":
+            raise ValueError(
+                f"paged_attention {self.paged_attention} attends a paged KV cache: set "
+                "kv_cache paged, or leave paged_attention auto"
+            )
+        return self
+
     def transport_across_nodes(self) -> str | None:
         return "http"
 
     def resolved_device(self) -> str:
-        """`device` resolved: `cpu` (`auto` takes no GPU until the CUDA path is wired)."""
-        return "cpu"
+        """`device` resolved: `cuda` only when asked for (`auto` takes no GPU until the CUDA
+        path is measured), `cpu` otherwise."""
+        return "cuda" if self.device == "cuda" else "cpu"
+
+    def resolved_kv_cache(self) -> str:
+        """`kv_cache` resolved: `paged` on cuda, `slots` on the CPU unless asked."""
+        if self.kv_cache != "auto":
+            return self.kv_cache
+        return "paged" if self.resolved_device() == "cuda" else "slots"
+
+    def resolved_paged_attention(self) -> str:
+        """`paged_attention` resolved: `flex` on cuda, `gather` on the CPU unless asked."""
+        if self.paged_attention != "auto":
+            return self.paged_attention
+        return "flex" if self.resolved_device() == "cuda" else "gather"
 
     def resolved_compute_dtype(self) -> str:
-        """`compute_dtype` resolved for this machine."""
+        """`compute_dtype` resolved for this machine: `dtype` on cuda; on the CPU `dtype`
+        where it multiplies bf16 natively, float32 otherwise."""
         if self.compute_dtype != "auto":
             return self.compute_dtype
+        if self.resolved_device() == "cuda":
+            return self.resolved_dtype()
         from asyncgrpo.base.hardware import cpu_has_native_bf16
 
         return self.resolved_dtype() if cpu_has_native_bf16() else "float32"

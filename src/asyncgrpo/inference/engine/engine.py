@@ -14,6 +14,12 @@ talks to it through a command queue and receives results on its own asyncio
 loop, so a weight swap can only happen between two decode steps and never
 tears a forward in half.
 
+Device: `engine.device` resolves once to `Engine.device`; the model is loaded there and
+the runner, its KV cache and the sampler compute on the model's device. On cuda
+(experimental, `EmbeddedEngineConfig.device`) the cache is paged and attended with
+FlexAttention: the same code the CPU runs with `kv_cache: paged, paged_attention: flex`.
+A weight update copies into the parameters where they live, from tensors on any device.
+
 Pause modes follow vLLM: `keep` freezes in-flight requests (they continue after
 `resume`, their later tokens carrying the new version), `abort` ends them with
 their partial output, `wait` stops admitting and returns once the running ones
@@ -137,9 +143,13 @@ class Engine(_EngineThread):
         self.config = config
         self.dtype = getattr(torch, config.resolved_dtype())
         self.compute_dtype = getattr(torch, config.resolved_compute_dtype())
+        # where the model, the KV cache and sampling live: what every later tensor follows
+        self.device = torch.device(config.resolved_device())
         threads = config.num_threads or torch.get_num_threads()
         torch.set_num_threads(1)  # only the engine thread computes on several (`_EngineThread`)
-        self.tokenizer, model = load_model(config.model, self.dtype, self.compute_dtype)
+        self.tokenizer, model = load_model(
+            config.model, self.dtype, self.compute_dtype, self.device
+        )
         self.model = model
         self.max_model_len = context_limit(config, model)
         self.model_name = config.model

@@ -15,14 +15,20 @@ from asyncgrpo.inference.engine.runner import SUPPORTED_ARCHITECTURES
 from asyncgrpo.inference.engine.types import RequestError
 
 
-def load_model(path: str, dtype: torch.dtype, compute_dtype: torch.dtype):
-    """(tokenizer, model): weights rounded to `dtype`, computed in `compute_dtype`, frozen."""
+def load_model(
+    path: str,
+    dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+):
+    """(tokenizer, model): weights rounded to `dtype`, computed in `compute_dtype` on
+    `device` (the engine's), frozen."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     check_architecture(AutoConfig.from_pretrained(path).model_type, path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model = model.to(compute_dtype).eval()  # bf16 values are exact in fp32
+    model = model.to(device=device, dtype=compute_dtype).eval()  # bf16 values are exact in fp32
     model.requires_grad_(False)
     return tokenizer, model
 

@@ -45,7 +45,9 @@ class PromptScores:
         if start != len(self.logprobs):
             raise RuntimeError(f"prompt chunk at {start} after {len(self.logprobs)} scored")
         end = min(start + hidden.shape[0], len(self.prompt) - 1)
-        targets = torch.tensor(self.prompt[start + 1 : end + 1], dtype=torch.long)  # (T',)
+        targets = torch.tensor(  # (T',) where the hidden states are (a CUDA engine's GPU)
+            self.prompt[start + 1 : end + 1], dtype=torch.long, device=hidden.device
+        )
         for a in range(0, end - start, SCORE_ROWS):
             b = min(a + SCORE_ROWS, end - start)
             self._score(logits_of(hidden[a:b]), targets[a:b])

@@ -143,14 +143,15 @@ def decode_attention(
     scale: float | None = None,
     compiled: bool = True,
     kernel_options: dict | None = None,
+    dynamic: bool | None = False,
 ) -> torch.Tensor:
     """q `(B, Hq, D)`, one new token per row; pools `(1, Hkv, slots, D)` with the new
     tokens already written. Returns `(B, Hq, D)`. `kernel_options`: FlexAttention's
-    (tile sizes, warps), for tuning on a GPU."""
+    (tile sizes, warps), for tuning on a GPU. `dynamic`: torch.compile's (see `_compiled`)."""
     batch, heads, dim = q.shape
     kv_heads = key_pool.shape[1]
     folded = q.view(batch, kv_heads, heads // kv_heads, dim)  # (B, Hkv, group, D)
-    kernel = _compiled(_decode_kernel) if compiled else _eager(_decode_kernel)
+    kernel = _compiled(_decode_kernel, dynamic) if compiled else _eager(_decode_kernel)
     out = kernel(
         folded,
         key_pool,
@@ -175,6 +176,7 @@ def prefill_attention(
     scale: float | None = None,
     compiled: bool = True,
     kernel_options: dict | None = None,
+    dynamic: bool | None = False,
 ) -> torch.Tensor:
     """q `(N, Hq, D)`, the packed new tokens of several sequences, each attending
     causally over its own earlier positions (cached prefix included); pools `(1, Hkv,
@@ -182,7 +184,7 @@ def prefill_attention(
     a block smaller than the kernel's key tile needs `kernel_options={"BLOCK_N": ...}`
     no larger than the block (the tile must divide it)."""
     packed = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, N, D)
-    kernel = _compiled(_prefill_kernel) if compiled else _eager(_prefill_kernel)
+    kernel = _compiled(_prefill_kernel, dynamic) if compiled else _eager(_prefill_kernel)
     out = kernel(
         packed,
         key_pool,
@@ -260,9 +262,12 @@ def _attend(q, key_pool, value_pool, blocks, visible, scale, kernel_options, gqa
 
 
 @functools.cache
-def _compiled(kernel):
-    """The kernel compiled once per process; shapes fixed (a new shape compiles anew)."""
-    return torch.compile(kernel, dynamic=False, fullgraph=True)
+def _compiled(kernel, dynamic: bool | None = False):
+    """The kernel compiled once per process. `dynamic=False`: shapes fixed, a new shape
+    compiles anew, and past torch's recompile limit (8) a `fullgraph` kernel raises, so a
+    caller whose batch and token counts vary (an engine) passes None: the first shape
+    compiles fixed, the next one compiles once with its changed sizes symbolic."""
+    return torch.compile(kernel, dynamic=dynamic, fullgraph=True)
 
 
 def _eager(kernel):

@@ -16,8 +16,9 @@ pools into the slot runner's dense layout and calls the slot runner's attention
 engine computes, bit for bit (tests/unit/test_paged_runner.py). It costs one copy of
 the keys a step reads, which a CPU does not need to pay (the slot runner stays the CPU
 default). `attention="flex"`: FlexAttention over the pools themselves (`paged/attention.py`),
-the block tables as its block mask, nothing gathered: what a GPU runs (compiled; on a
-CPU in float64 it runs eagerly and is tested against the gathered keys).
+the block tables as its block mask, nothing gathered: what a GPU runs (compiled there,
+its key tile no larger than a block; on a CPU it runs eagerly and is tested against the
+gathered keys, in float64 to 1e-10 and through the engine for equal greedy tokens).
 
 Memory: every slot can grow to the full context, so the pools hold `slots x
 blocks per context` blocks plus the prefix cache's, allocated as zero pages the OS maps
@@ -39,6 +40,7 @@ from asyncgrpo.inference.engine.attention import (
 )
 from asyncgrpo.inference.engine.forward_steps import PackedChunks
 from asyncgrpo.inference.engine.paged.attention import (
+    DEFAULT_QUERY_TILE,
     PagedDecodeMetadata,
     PagedPrefillMetadata,
     kernel_table_width,
@@ -91,8 +93,14 @@ class PagedModelRunner(ModelRunner):
         self.block_size = block_size
         self.prefix_blocks = prefix_blocks
         self.attention = attention
-        # FlexAttention's compiled kernel takes float32/bfloat16/float16; float64 runs eagerly
-        self._compiled = next(model.parameters()).dtype != torch.float64
+        weight = next(model.parameters())
+        # FlexAttention compiled where the speed is wanted, on CUDA (float64 has no Triton
+        # kernel); on a CPU it runs eagerly, the exact reference (the CPU engine's fast path
+        # is `gather`, and Inductor's CPU kernel costs tens of seconds a shape to compile)
+        self._compiled = weight.device.type == "cuda" and weight.dtype != torch.float64
+        # a key tile no larger than a block, as Triton's kernels need (test_paged_cuda.py)
+        small = block_size < DEFAULT_QUERY_TILE
+        self._kernel_options = {"BLOCK_N": block_size} if small else {}
         super().__init__(model, num_slots, max_model_len)
 
     # ---- the cache: blocks instead of slot rows ------------------------------
@@ -262,7 +270,7 @@ class PagedModelRunner(ModelRunner):
         if step.flex is not None:
             batch = q.shape[0]
             flat = q.reshape(batch, self.num_heads, self.head_dim)  # heads kv-major, as folded
-            attn = paged_decode(flat, *self.cache.pools(i), step.flex, compiled=self._compiled)
+            attn = paged_decode(flat, *self.cache.pools(i), step.flex, **self._flex_options())
             return attn.view(q.shape)
         keys, values = self._gathered(i, step.gather)  # (B, kv_heads, K, D)
         return decode_attention(q, keys, values, step.spans, step.lengths)
@@ -293,11 +301,25 @@ class PagedModelRunner(ModelRunner):
         packed = step.packed
         if step.flex is not None:
             flat = q[0].transpose(0, 1)  # (N, heads, D)
-            return paged_prefill(flat, *self.cache.pools(i), step.flex, compiled=self._compiled)
+            pools = self.cache.pools(i)
+            return paged_prefill(flat, *pools, step.flex, **self._flex_options(prefill=True))
         keys, values = self._gathered(i, step.gather)  # (R, kv_heads, K, D)
         by_row = packed.by_row(q[0].transpose(0, 1))  # (R, heads, T, D)
         attn = prefill_attention(by_row, keys, values, step.pieces)
         return attn[packed.rows, :, packed.cols]
+
+    def _flex_options(self, prefill: bool = False) -> dict:
+        """How FlexAttention runs: compiled with sizes that may vary between steps (batch
+        rows, packed tokens) symbolic after the first (`attention._compiled`), or eagerly.
+        A prefill of fewer than 128 tokens keeps the main kernel: Inductor would take its
+        decoding kernel, which refuses GQA groups that are not powers of two in some torch
+        releases (Qwen2.5-0.5B's is 7)."""
+        if not self._compiled:
+            return {"compiled": False}
+        options = dict(self._kernel_options)
+        if prefill:
+            options["FORCE_USE_FLEX_ATTENTION"] = True
+        return {"compiled": True, "kernel_options": options or None, "dynamic": None}
 
     def _kernel_table(self, slots: list[int]) -> torch.Tensor:
         """The slots' block tables as wide as the attention kernel reads them."""
