@@ -220,7 +220,8 @@ def tinker_session_memory(figures: dict) -> dict:
     for who in ("server", "engine"):
         s = figures[who]
         out[f"{who} MiB per abandoned session"] = sig(s["mib_per_session"], 2)
-        out[f"{who} 95% interval"] = f"[{s['low']:+.3f}, {s['high']:+.3f}]"
+        if s["low"] is not None:
+            out[f"{who} 95% interval"] = f"[{s['low']:+.3f}, {s['high']:+.3f}]"
     return out
 
 

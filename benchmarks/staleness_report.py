@@ -20,6 +20,8 @@ MEANS = (
     "clip_ratio_low",
     "clip_ratio_high",
     "masked_fraction",
+    "m2_before",
+    "m2_masked_fraction",
     "is_weight_mean",
     "mismatch_kl",
     "token_staleness_mean",
@@ -254,9 +256,9 @@ def markdown(stage: str, steps: int, table: dict, diffs: list[dict], noise: dict
         "held-out reward at step N (greedy, one evaluator, scored after the runs). Means "
         "over seeds with 95% t intervals.",
         "",
-        "| cell | n | area | by version | final held-out | clip | masked | IS w min/mean/max "
-        "| mismatch KL | token staleness mean/max | s/run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cell | n | area | by version | final held-out | clip | masked | M2 / M2-masked "
+        "| IS w min/mean/max | mismatch KL | token staleness mean/max | s/run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in table.items():
         weights = "/".join(
@@ -265,7 +267,8 @@ def markdown(stage: str, steps: int, table: dict, diffs: list[dict], noise: dict
         lines.append(
             f"| {name} | {row['area']['n']} | {_ci(row['area'])} | {_ci(row['version_area'])} "
             f"| {_ci(row['final_held_out'])} "
-            f"| {_num(row['clip_ratio'])} | {_num(row['masked_fraction'])} | {weights} "
+            f"| {_num(row['clip_ratio'])} | {_num(row['masked_fraction'])} "
+            f"| {_num(row.get('m2_before'))}/{_num(row.get('m2_masked_fraction'))} | {weights} "
             f"| {_num(row['mismatch_kl'], '.4f')} | {_num(row['token_staleness_mean'], '.2f')}"
             f"/{_num(row['token_staleness_max'], '.0f')} | {_num(row['wall_s'], '.0f')} |"
         )

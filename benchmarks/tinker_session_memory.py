@@ -33,9 +33,9 @@ import numpy as np
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run
     sys.path.append(str(Path(__file__).resolve().parent))
 from result_files import write_result  # noqa: E402
+from staleness_stats import t_quantile  # noqa: E402
 
 KEY = "tml-session-memory-benchmark"
-T_975 = {10: 2.228, 20: 2.086, 30: 2.042, 60: 2.000}  # Student t, two-sided 95%
 
 
 def client(url: str, model: str, index: int, models: int) -> None:
@@ -108,13 +108,15 @@ def start_server(model: str, work: Path, ttl: float) -> tuple[subprocess.Popen, 
 
 
 def slope(values: list[float]) -> dict:
-    """Least-squares growth per session and its 95% interval."""
+    """Least-squares growth per session and its 95% interval (none from two points)."""
     y = np.asarray(values)
     x = np.arange(len(y), dtype=float)
     b, a = np.polyfit(x, y, 1)
+    if len(y) < 3:
+        return {"mib_per_session": b, "low": None, "high": None, "n": len(y)}
     resid = y - (a + b * x)
     se = float(np.sqrt(resid @ resid / (len(y) - 2) / ((x - x.mean()) ** 2).sum()))
-    t = next((v for n, v in sorted(T_975.items()) if len(y) - 2 <= n), 1.96)
+    t = t_quantile(0.975, len(y) - 2)
     return {"mib_per_session": b, "low": b - t * se, "high": b + t * se, "n": len(y)}
 
 
@@ -167,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     figures = run(args)
     for who in ("server", "engine"):
         s = figures[who]
-        print(f"{who}: {s['mib_per_session']:+.3f} MiB per session "
-              f"[{s['low']:+.3f}, {s['high']:+.3f}] over {s['n']} sessions")  # fmt: skip
+        band = f"[{s['low']:+.3f}, {s['high']:+.3f}] " if s["low"] is not None else ""
+        print(f"{who}: {s['mib_per_session']:+.3f} MiB per session {band}over {s['n']} sessions")
     write_result("tinker_session_memory", figures, argv if argv is not None else sys.argv[1:])
 
 
