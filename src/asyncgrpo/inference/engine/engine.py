@@ -143,13 +143,10 @@ class Engine(_EngineThread):
         self.config = config
         self.dtype = getattr(torch, config.resolved_dtype())
         self.compute_dtype = getattr(torch, config.resolved_compute_dtype())
-        # where the model, the KV cache and sampling live: what every later tensor follows
-        self.device = torch.device(config.resolved_device())
+        self.device = device = torch.device(config.resolved_device())  # model, cache, sampler
         threads = config.num_threads or torch.get_num_threads()
         torch.set_num_threads(1)  # only the engine thread computes on several (`_EngineThread`)
-        self.tokenizer, model = load_model(
-            config.model, self.dtype, self.compute_dtype, self.device
-        )
+        self.tokenizer, model = load_model(config.model, self.dtype, self.compute_dtype, device)
         self.model = model
         self.max_model_len = context_limit(config, model)
         self.model_name = config.model

@@ -99,8 +99,7 @@ class PagedModelRunner(ModelRunner):
         # is `gather`, and Inductor's CPU kernel costs tens of seconds a shape to compile)
         self._compiled = weight.device.type == "cuda" and weight.dtype != torch.float64
         # a key tile no larger than a block, as Triton's kernels need (test_paged_cuda.py)
-        small = block_size < DEFAULT_QUERY_TILE
-        self._kernel_options = {"BLOCK_N": block_size} if small else {}
+        self._kernel_options = {"BLOCK_N": block_size} if block_size < DEFAULT_QUERY_TILE else {}
         super().__init__(model, num_slots, max_model_len)
 
     # ---- the cache: blocks instead of slot rows ------------------------------
@@ -301,8 +300,8 @@ class PagedModelRunner(ModelRunner):
         packed = step.packed
         if step.flex is not None:
             flat = q[0].transpose(0, 1)  # (N, heads, D)
-            pools = self.cache.pools(i)
-            return paged_prefill(flat, *pools, step.flex, **self._flex_options(prefill=True))
+            options = self._flex_options(prefill=True)
+            return paged_prefill(flat, *self.cache.pools(i), step.flex, **options)
         keys, values = self._gathered(i, step.gather)  # (R, kv_heads, K, D)
         by_row = packed.by_row(q[0].transpose(0, 1))  # (R, heads, T, D)
         attn = prefill_attention(by_row, keys, values, step.pieces)
