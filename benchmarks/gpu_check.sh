@@ -1,10 +1,9 @@
 #!/bin/bash
 # The GPU checks, in two parts that each fit one 10-minute call (a part's timeouts add up
 # to 9 minutes), in the order that matters if time runs out. `engine` (the default): the
-# paged KV cache's tests, the paged runner's,
-# the whole engine on cuda (experimental: ASYNCGRPO_EXPERIMENTAL_CUDA_ENGINE=1), then the
-# engine against transformers' generate and continuous batching, with a decode step
-# against the device's limit (gpu_engine.py). `trainer`: the trainer's GPU tests, the
+# paged KV cache's tests, the paged runner's, the whole engine on cuda (experimental:
+# ASYNCGRPO_EXPERIMENTAL_CUDA_ENGINE=1), then the engine against transformers' generate
+# and continuous batching, with a decode step against the device's limit (gpu_engine.py). `trainer`: the trainer's GPU tests, the
 # trainer against the padded step on Qwen2.5-0.5B's shape, and attention alone (about 4
 # minutes on an H100, start-up not counted). Nothing of the engine part has run on a GPU
 # yet (its CPU variants have); it compiles FlexAttention for the paged tests' 8 variants
