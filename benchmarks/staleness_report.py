@@ -23,6 +23,7 @@ MEANS = (
     "m2_before",
     "m2_masked_fraction",
     "is_weight_mean",
+    "is_weight_sq_mean",
     "mismatch_kl",
     "token_staleness_mean",
     "staleness_mean",

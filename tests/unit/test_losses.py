@@ -485,6 +485,8 @@ def test_mask_modes_zero_tokens_outside_the_cap_and_opsm_drops_sequences():
     assert (m["masked_fraction"], m["is_weight_min"], m["is_weight_max"]) == (0.5, 0.0, 1.0)
     _, m = compute_loss(inputs, LossConfig(correction="token_truncate"))
     assert m["is_weight_max"] == 2.0 and m["is_weight_min"] == pytest.approx(1 / 3)
+    truncated = [1.0, 2.0, 1 / 3, 1.5]  # the weights, log 3 truncated at the cap
+    assert m["is_weight_sq_mean"] == pytest.approx(sum(w * w for w in truncated) / 4, rel=1e-12)
     # row 1 has A < 0 and mean log(π_engine/π_θ) = (log 3 − log 1.5)/2 ≈ 0.347
     for delta, dropped in ((0.3, 1.0), (0.4, 0.0)):
         lp.grad = None

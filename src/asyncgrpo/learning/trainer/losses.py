@@ -275,7 +275,9 @@ def loss_metrics(
 
     Clip fractions are over the tokens that carry policy gradient (`active`);
     weight statistics and `masked_fraction` (weight 0 from the correction) over
-    all loss tokens; `opsm_drop_ratio` over non-empty sequences; `mismatch_kl`
+    all loss tokens (`is_weight_sq_mean`, the mean of w², makes the effective sample
+    size per token mean(w)²/mean(w²): exact across micro-batches and ranks, whose
+    metrics merge weighted by loss tokens); `opsm_drop_ratio` over non-empty sequences; `mismatch_kl`
     is the k3 estimate of KL(π_engine‖π_θ) per token, exp(x) − x − 1 with
     x = lp_θ − lp_engine, averaged over loss tokens (≥ 0, unbiased under the sampler).
     """
@@ -296,6 +298,8 @@ def loss_metrics(
         "is_weight_min": _reduce(weights, mask, torch.amin),
         "is_weight_mean": _mean(weights, mask),
         "is_weight_max": _reduce(weights, mask, torch.amax),
+        # with the mean, the effective sample size per loss token: mean(w)² / mean(w²)
+        "is_weight_sq_mean": _mean(weights.detach().square(), mask),
         "masked_fraction": _mean(weights == 0, mask),
         "opsm_drop_ratio": _mean(~keep, non_empty),
         "mismatch_kl": _mean(mismatch, mask),
