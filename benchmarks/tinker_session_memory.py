@@ -30,6 +30,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from asyncgrpo.testing import child_pids
+
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path, not run
     sys.path.append(str(Path(__file__).resolve().parent))
 from result_files import write_result  # noqa: E402
@@ -70,11 +72,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in path.read_text().split()] if path.exists() else []
 
 
 def metric(url: str, name: str) -> float:
@@ -137,7 +134,7 @@ def run(args) -> dict:
             while metric(url, "asyncgrpo_tinker_sessions_live") > 0:
                 time.sleep(0.5)
             time.sleep(1.0)  # the trainer thread releases the models after the expiry
-            engine = sum(rss_mib(c) for c in children(server.pid))
+            engine = sum(rss_mib(c) for c in child_pids(server.pid))
             rows.append({"server_mib": rss_mib(server.pid), "engine_mib": engine})
             print(f"session {index}: server {rows[-1]['server_mib']:.1f} MiB, "
                   f"engine {engine:.1f} MiB", flush=True)  # fmt: skip

@@ -3,19 +3,6 @@ server leaves no process behind, or that kill one of its children."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from asyncgrpo.testing import child_pids as children
 
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry.name))
-    return out
+__all__ = ["children"]

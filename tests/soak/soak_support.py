@@ -17,6 +17,8 @@ from pathlib import Path
 
 from child_processes import children
 
+from asyncgrpo.testing import process_stats
+
 MiB = 1024 * 1024
 
 
@@ -132,14 +134,4 @@ def alive(pid: int) -> bool:
 
 def in_process_group(pgid: int) -> list[int]:
     """Live processes of process group `pgid` (a killed leader's children keep it)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(entry.name))
-    return out
+    return [pid for pid, fields in process_stats() if int(fields[2]) == pgid and fields[0] != "Z"]

@@ -165,20 +165,34 @@ def tiny_prompt_rows(count: int, fail_every: int = 0) -> list[dict]:
     ]
 
 
-def engine_children() -> list[int]:
-    """Pids of `asyncgrpo.cli serve` processes whose parent is this process."""
-    pids = []
+def process_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command name: state, ppid, pgrp, ...)
+    of every process that can still be read."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == os.getpid() and "asyncgrpo.cli serve" in cmdline:
-            pids.append(int(entry.name))
+        yield int(entry.name), stat.rsplit(")", 1)[1].split()
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    return [child for child, fields in process_stats() if int(fields[1]) == pid]
+
+
+def engine_children() -> list[int]:
+    """Pids of `asyncgrpo.cli serve` processes whose parent is this process."""
+    pids = []
+    for pid in child_pids(os.getpid()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "asyncgrpo.cli serve" in cmdline:
+            pids.append(pid)
     return pids
 
 
